@@ -1,0 +1,40 @@
+# trl_ext developer commands. `make test` works on a fresh machine: it creates .venv, installs torch first
+# (the CPU wheel when no other build is wanted), then the package with its dev extra, then runs the tests.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup test test-slow lint format bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-slow: setup
+	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: setup
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
+
+bench: setup
+	$(PY) bench/logprobs_memory.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache build dist *.egg-info
