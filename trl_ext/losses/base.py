@@ -37,7 +37,9 @@ class LossOutput:
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self):
-        self.metrics = {k: v.detach() if torch.is_tensor(v) else torch.tensor(float(v)) for k, v in self.metrics.items()}
+        self.metrics = {
+            k: v.detach() if torch.is_tensor(v) else torch.tensor(float(v)) for k, v in self.metrics.items()
+        }
 
 
 def aggregate(

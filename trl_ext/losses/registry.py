@@ -21,15 +21,18 @@ from dataclasses import dataclass
 
 __all__ = ["LOSS_KINDS", "LossSpec", "register_loss", "get_loss", "get_loss_spec", "available_losses"]
 
-#: The kinds of loss and the signature (keyword arguments) a trainer calls them with.
+#: The kinds of loss and the arguments a trainer calls them with (positional order as listed; harmlessness losses
+#: are called by keyword).
 LOSS_KINDS: dict[str, str] = {
     "policy": "(logprobs, old_logprobs, advantages, mask, *, aggregation, ...) - clipped surrogate style actor losses",
     "value": "(values, old_values, returns, mask, *, aggregation, ...) - critic losses",
     "reinforce": "(logprobs, rewards, mask, *, baseline, aggregation, ...) - score-function losses on (P, N[, T])",
-    "harmlessness": "(logprobs, rewards, mask, neg_logprobs, neg_weights, neg_mask, *, alpha, ...) - p-losses",
+    "harmlessness": "keywords logprobs, rewards, mask, neg_logprobs, neg_weights, neg_mask[, neg_rewards], alpha, "
+    "... - RePULSe-style p-losses (trainers call these by keyword)",
     "twist": "(v, log_phi, mask, old_logprobs, ref_logprobs, *, ...) on (P, N, T) - proposal (q) losses",
     "preference": "(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta, ...) - paired losses",
-    "unpaired": "(policy_logps, ref_logps, labels, *, beta, ...) - KTO-style losses on unpaired data",
+    "unpaired": "(policy_chosen_logps, policy_rejected_logps, policy_kl_logps, ref_chosen_logps, "
+    "ref_rejected_logps, ref_kl_logps, *, beta, ...) - KTO-style losses on unpaired data",
     "reward": "(chosen_rewards, rejected_rewards, *, margin, ...) - reward-model losses",
     "supervised": "(logits or logprobs, labels, ...) - LM, distillation and process-reward losses",
 }

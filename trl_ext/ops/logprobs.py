@@ -1,0 +1,352 @@
+"""Memory-efficient token log-probabilities, entropies and modulated distributions.
+
+Conventions (see ALGORITHMS.md §1):
+
+- ``logits`` have shape ``(..., V)`` and ``labels`` shape ``(...)``; the log-prob of ``labels[i]`` is read from
+  ``logits[i]``. Shifting (the logits at ``t − 1`` predict the token at ``t``) is the caller's job.
+- Every result is computed **and returned in fp32** for fp32/bf16/fp16 inputs (fp64 for fp64 inputs): log-probs
+  feed ratios, KL terms and importance weights, where bf16 rounding (≈ 3 significant digits) is not acceptable.
+  Gradients flow back in the dtype of the inputs.
+- ``temperature`` divides the logits before the softmax: ``log_softmax(logits / T)``.
+- Labels equal to ``ignore_index`` (default ``-100``) give a log-prob of exactly ``0`` and no gradient. Any other
+  label must be a valid vocabulary id, otherwise a ``ValueError`` is raised.
+
+The chunked functions never hold more than ``chunk_size × V`` fp32 values of intermediate results, in the forward
+*and* the backward pass: the forward keeps only the per-token ``logsumexp`` and the backward recomputes the softmax
+chunk by chunk. :func:`logprobs_from_hidden` goes further and never materialises the ``(N, V)`` logits at all, nor
+their gradient, which is where the memory goes for 50k–150k vocabularies.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+__all__ = [
+    "logprobs_from_logits",
+    "logprobs_from_hidden",
+    "full_logprobs",
+    "modulated_logprobs",
+    "entropy_from_logits",
+]
+
+DEFAULT_CHUNK_SIZE = 1024
+
+
+def _check_args(temperature: float, chunk_size: int) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}.")
+    if int(chunk_size) < 1:
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}.")
+
+
+class _Rows:
+    """Chunks of rows of a ``(..., V)`` tensor seen as ``(N, V)``, without copying the whole tensor.
+
+    A view is used when the leading dimensions can be merged (contiguous inputs); otherwise (e.g. ``logits[:, :-1]``)
+    each chunk is gathered with advanced indexing, which copies only that chunk.
+    """
+
+    def __init__(self, x: torch.Tensor):
+        self.lead_shape = x.shape[:-1]
+        self.n = math.prod(self.lead_shape)
+        try:
+            self._flat: torch.Tensor | None = x.view(self.n, x.shape[-1])
+        except RuntimeError:
+            self._flat = None
+        self._x = x
+
+    def __call__(self, start: int, end: int) -> torch.Tensor:
+        if self._flat is not None:
+            return self._flat[start:end]
+        flat_idx = torch.arange(start, end, device=self._x.device)
+        return self._x[torch.unravel_index(flat_idx, self.lead_shape)]
+
+
+def _prepare_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flatten ``labels``; return ``(safe_labels, valid)`` where ignored labels are replaced by ``0``."""
+    flat = labels.reshape(-1).long()
+    valid = flat != ignore_index
+    safe = torch.where(valid, flat, torch.zeros_like(flat))
+    if flat.numel() and bool(((safe < 0) | (safe >= vocab_size)).any()):
+        bad = flat[valid & ((flat < 0) | (flat >= vocab_size))][:5].tolist()
+        raise ValueError(
+            f"labels must be in [0, {vocab_size}) or equal ignore_index={ignore_index}; found e.g. {bad}."
+        )
+    return safe, valid
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for fp32/bf16/fp16 inputs, fp64 for fp64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _scaled_fp32(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``x / T`` in fp32 or fp64 (may alias ``x`` when no cast is needed and ``T == 1``: never modify in place)."""
+    x = x.to(_compute_dtype(x.dtype))
+    return x if temperature == 1.0 else x / temperature
+
+
+def _softmax_grad_chunk(
+    z: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, g: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """``g·(onehot(labels) − softmax(z)) / T`` for a chunk; ``z = logits/T`` in fp32 of shape ``(n, V)``."""
+    grad = torch.sub(z, lse.unsqueeze(-1))  # fresh tensor: safe to work in place below
+    grad.exp_().mul_(-g.unsqueeze(-1))
+    grad.scatter_add_(1, labels.unsqueeze(-1), g.unsqueeze(-1))
+    if temperature != 1.0:
+        grad.div_(temperature)
+    return grad
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    """``log_softmax(logits/T)[labels]`` with O(chunk × V) extra memory in forward and backward."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, chunk_size, ignore_index):
+        rows = _Rows(logits)
+        safe, valid = _prepare_labels(labels, logits.shape[-1], ignore_index)
+        out = torch.empty(rows.n, dtype=_compute_dtype(logits.dtype), device=logits.device)
+        lse = torch.empty_like(out)
+        for start in range(0, rows.n, chunk_size):
+            end = min(start + chunk_size, rows.n)
+            z = _scaled_fp32(rows(start, end), temperature)
+            lse_c = torch.logsumexp(z, dim=-1)
+            lse[start:end] = lse_c
+            out[start:end] = z.gather(1, safe[start:end].unsqueeze(-1)).squeeze(-1) - lse_c
+        out = torch.where(valid, out, torch.zeros_like(out))
+        ctx.save_for_backward(logits, safe, valid, lse)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        return out.view(rows.lead_shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        logits, safe, valid, lse = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        temperature, chunk_size = ctx.temperature, ctx.chunk_size
+        rows = _Rows(logits)
+        g = torch.where(valid, grad_out.reshape(-1).to(lse.dtype), torch.zeros((), dtype=lse.dtype, device=lse.device))
+        grad = torch.empty((rows.n, logits.shape[-1]), dtype=logits.dtype, device=logits.device)
+        for start in range(0, rows.n, chunk_size):
+            end = min(start + chunk_size, rows.n)
+            z = _scaled_fp32(rows(start, end), temperature)
+            grad[start:end] = _softmax_grad_chunk(z, lse[start:end], safe[start:end], g[start:end], temperature)
+        return grad.view(logits.shape), None, None, None, None
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Log-probabilities of ``labels``: ``out[i] = log_softmax(logits[i] / T)[labels[i]]``, computed in chunks.
+
+    Equal to ``torch.log_softmax(logits.float() / T, -1).gather(-1, labels[..., None])[..., 0]``, but the forward pass
+    stores only the per-token ``logsumexp`` (``N`` floats) and the backward pass recomputes the softmax
+    ``chunk_size`` rows at a time, giving ``∂out/∂logits = g·(onehot(label) − softmax(logits/T)) / T``. Peak extra
+    memory is therefore ``O(chunk_size × V)`` besides the ``(…, V)`` gradient of the logits itself (which any method
+    must produce; use :func:`logprobs_from_hidden` to avoid it).
+
+    Args:
+        logits: ``(..., V)`` logits, any float dtype; need not be contiguous (``logits[:, :-1]`` is fine).
+        labels: ``(...)`` integer token ids; ``ignore_index`` marks positions to skip.
+        temperature: ``T > 0``.
+        chunk_size: number of tokens (rows of the flattened ``(N, V)`` logits) processed at once.
+        ignore_index: label value whose log-prob is set to ``0`` (with zero gradient).
+
+    Returns:
+        ``(...)`` fp32 log-probabilities.
+    """
+    _check_args(temperature, chunk_size)
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} must equal logits.shape[:-1] = {tuple(logits.shape[:-1])}."
+        )
+    return _ChunkedLogProbs.apply(logits, labels, float(temperature), int(chunk_size), int(ignore_index))
+
+
+class _ChunkedHiddenLogProbs(torch.autograd.Function):
+    """``log_softmax((hidden @ Wᵀ + b)/T)[labels]`` without materialising the ``(N, V)`` logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, ignore_index):
+        flat_h = hidden.reshape(-1, hidden.shape[-1])
+        n = flat_h.shape[0]
+        safe, valid = _prepare_labels(labels, weight.shape[0], ignore_index)
+        out = torch.empty(
+            n, dtype=_compute_dtype(torch.promote_types(hidden.dtype, weight.dtype)), device=hidden.device
+        )
+        lse = torch.empty_like(out)
+        for start in range(0, n, chunk_size):
+            end = min(start + chunk_size, n)
+            z = _scaled_fp32(F.linear(flat_h[start:end], weight, bias), temperature)
+            lse_c = torch.logsumexp(z, dim=-1)
+            lse[start:end] = lse_c
+            out[start:end] = z.gather(1, safe[start:end].unsqueeze(-1)).squeeze(-1) - lse_c
+        out = torch.where(valid, out, torch.zeros_like(out))
+        ctx.save_for_backward(flat_h, weight, bias, safe, valid, lse)
+        ctx.temperature, ctx.chunk_size, ctx.hidden_shape = temperature, chunk_size, hidden.shape
+        return out.view(labels.shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        flat_h, weight, bias, safe, valid, lse = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        temperature, chunk_size = ctx.temperature, ctx.chunk_size
+        n = flat_h.shape[0]
+        g = torch.where(valid, grad_out.reshape(-1).to(lse.dtype), torch.zeros((), dtype=lse.dtype, device=lse.device))
+        grad_h = torch.empty_like(flat_h) if need_h else None
+        # Parameter gradients are accumulated over chunks in fp32, then cast to the parameter dtype.
+        acc = lse.dtype
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
+        for start in range(0, n, chunk_size):
+            end = min(start + chunk_size, n)
+            h = flat_h[start:end]
+            z = _scaled_fp32(F.linear(h, weight, bias), temperature)
+            grad_z = _softmax_grad_chunk(z, lse[start:end], safe[start:end], g[start:end], temperature)
+            if grad_b is not None:
+                grad_b += grad_z.sum(0)
+            grad_logits = grad_z.to(weight.dtype)
+            if grad_h is not None:
+                grad_h[start:end] = grad_logits @ weight
+            if grad_w is not None:
+                if weight.dtype == acc and h.dtype == acc:
+                    grad_w.addmm_(grad_logits.t(), h)
+                else:
+                    grad_w += (grad_logits.t() @ h.to(weight.dtype)).to(acc)
+        return (
+            grad_h.view(ctx.hidden_shape) if grad_h is not None else None,
+            grad_w.to(weight.dtype) if grad_w is not None else None,
+            grad_b.to(bias.dtype) if grad_b is not None else None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def logprobs_from_hidden(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    lm_head_bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Log-probabilities of ``labels`` under ``softmax((hidden @ Wᵀ + b) / T)``, never building the full logits.
+
+    ``out[i] = z_i[labels[i]] − logsumexp(z_i)`` with ``z_i = (hidden[i] @ Wᵀ + b) / T``. The projection is done
+    ``chunk_size`` tokens at a time in the dtype of the inputs (as ``lm_head(hidden)`` would), then upcast to fp32.
+    The backward pass recomputes each chunk's logits and accumulates ``∂/∂hidden = G W``, ``∂/∂W = Gᵀ hidden`` and
+    ``∂/∂b = Σ G`` with ``G = g·(onehot − softmax)/T``; parameter gradients are accumulated in fp32. Peak extra memory
+    is ``O(chunk_size × V)`` plus the gradient buffers of ``hidden``/``W`` themselves. Under DeepSpeed ZeRO-3 the
+    weight must be gathered while this runs (e.g. ``deepspeed.zero.GatheredParameters``), as for any use of a
+    parameter outside its module's forward.
+
+    Args:
+        hidden: ``(..., H)`` final hidden states (after the final norm), e.g. ``outputs.hidden_states[-1]``.
+        lm_head_weight: ``(V, H)`` output projection (``model.get_output_embeddings().weight``).
+        labels: ``(...)`` token ids; ``ignore_index`` positions give ``0``.
+        lm_head_bias: optional ``(V,)`` bias.
+        temperature: ``T > 0``.
+        chunk_size: tokens per chunk.
+        ignore_index: label value to skip.
+
+    Returns:
+        ``(...)`` fp32 log-probabilities.
+    """
+    _check_args(temperature, chunk_size)
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} must equal hidden.shape[:-1] = {tuple(hidden.shape[:-1])}."
+        )
+    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"lm_head_weight must have shape (V, {hidden.shape[-1]}), got {tuple(lm_head_weight.shape)}.")
+    return _ChunkedHiddenLogProbs.apply(
+        hidden, lm_head_weight, lm_head_bias, labels, float(temperature), int(chunk_size), int(ignore_index)
+    )
+
+
+def full_logprobs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Full-vocabulary log-probabilities ``log_softmax(logits / T, dim=-1)`` in fp32. Shape ``(..., V)`` → same."""
+    _check_args(temperature, 1)
+    return torch.log_softmax(_scaled_fp32(logits, temperature), dim=-1)
+
+
+def modulated_logprobs(
+    base_logits: torch.Tensor,
+    modulation: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Log-probs of the modulated ("twisted") distribution ``q ∝ softmax(base_logits / T) · exp(modulation)``.
+
+    ``log q = log_softmax(log_softmax(base_logits / T) + modulation)``, which equals
+    ``log_softmax(base_logits / T + modulation)`` because the inner normaliser is constant over the vocabulary; the
+    latter is what is computed. The temperature tempers the *base* model only: the modulation is a learned
+    log-potential added on top of the (tempered) base distribution, so ``T`` does not rescale it. The research code
+    always uses ``T = 1``, where both readings agree.
+
+    Args:
+        base_logits: ``(..., V)`` logits of the base model.
+        modulation: ``(..., V)`` (or broadcastable, e.g. ``(V,)``) unnormalised log-potentials ``log ψ``.
+        labels: optional ``(...)`` token ids. When given, the result is gathered at them (chunked, see
+            :func:`logprobs_from_logits`; ``ignore_index`` positions give ``0``); otherwise the full ``(..., V)``
+            log-probabilities are returned.
+        temperature: ``T > 0`` applied to ``base_logits``.
+
+    Returns:
+        ``(...)`` or ``(..., V)`` fp32 tensor.
+    """
+    _check_args(temperature, chunk_size)
+    combined = _scaled_fp32(base_logits, temperature) + modulation  # promotes to fp32 (or fp64)
+    if labels is None:
+        return torch.log_softmax(combined, dim=-1)
+    return logprobs_from_logits(combined, labels, chunk_size=chunk_size, ignore_index=ignore_index)
+
+
+def entropy_from_logits(
+    logits: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    """Per-token Shannon entropy (nats) ``H_i = −Σ_v p_iv log p_iv`` with ``p_i = softmax(logits_i / T)``, chunked.
+
+    Computed in fp32, ``chunk_size`` tokens at a time (like ``trl.trainer.utils.entropy_from_logits``, plus fp32,
+    temperature and a mask). Vocabulary entries with ``p = 0`` (e.g. ``-inf`` logits) contribute ``0``. Differentiable,
+    but the backward pass keeps each chunk's log-softmax: intended for logging or small entropy bonuses.
+
+    Args:
+        logits: ``(..., V)``.
+        mask: optional ``(...)``; positions where it is zero give ``0``.
+        temperature: ``T > 0``.
+        chunk_size: tokens per chunk.
+
+    Returns:
+        ``(...)`` fp32 entropies.
+    """
+    _check_args(temperature, chunk_size)
+    rows = _Rows(logits)
+    parts = []
+    for start in range(0, rows.n, chunk_size):
+        logp = torch.log_softmax(_scaled_fp32(rows(start, min(start + chunk_size, rows.n)), temperature), dim=-1)
+        p = logp.exp()
+        parts.append(-(p * logp.masked_fill(p == 0, 0.0)).sum(-1))
+    ent = torch.cat(parts) if parts else logits.new_zeros(0, dtype=_compute_dtype(logits.dtype))
+    ent = ent.view(rows.lead_shape)
+    if mask is not None:
+        ent = torch.where(mask != 0, ent, torch.zeros_like(ent))
+    return ent
