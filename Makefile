@@ -1,5 +1,6 @@
 # trl_ext developer commands. `make test` works on a fresh machine: it creates .venv, installs torch first
-# (the CPU wheel when no other build is wanted), then the package with its dev extra, then runs the tests.
+# (the CPU wheel when no other build is wanted), then the package with its dev and quantization extras (4-bit
+# loading is tested on CPU with bitsandbytes), then lints and runs the tests.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -14,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e ".[dev,quantization]"
 	touch $@
 
 setup: $(VENV)/.installed

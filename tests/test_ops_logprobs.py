@@ -230,10 +230,10 @@ def test_full_logprobs():
 
 
 def _modulated_reference(base, mod, temperature):
-    """q(v) = softmax(base/T)(v)·exp(mod(v)) / Σ_u softmax(base/T)(u)·exp(mod(u)), in fp64 by explicit sums."""
-    p = torch.exp(base.double() / temperature)
+    """q_T(v) = (p(v)·exp(mod(v)))^(1/T) / Σ_u (p(u)·exp(mod(u)))^(1/T), p = softmax(base), fp64 explicit sums."""
+    p = torch.exp(base.double())
     p = p / p.sum(-1, keepdim=True)
-    q = p * torch.exp(mod.double())
+    q = (p * torch.exp(mod.double())) ** (1.0 / temperature)
     return torch.log(q / q.sum(-1, keepdim=True))
 
 
@@ -253,15 +253,15 @@ def test_modulated_zero_modulation_and_broadcast_and_gradient():
     base, labels = _data(seed=12)
     zero = torch.zeros(base.shape[-1])
     assert torch.allclose(modulated_logprobs(base, zero, temperature=0.5), torch.log_softmax(base / 0.5, -1))
-    # the temperature does not rescale the modulation
+    # the temperature tempers the tilted distribution as a whole
     mod_v = torch.randn(base.shape[-1], generator=torch.Generator().manual_seed(13), requires_grad=True)
     out = modulated_logprobs(base, mod_v, labels=labels, temperature=3.0)
     expected = _modulated_reference(base, mod_v.detach().expand_as(base), 3.0)
     assert torch.allclose(out.double(), expected.gather(-1, labels.unsqueeze(-1)).squeeze(-1), atol=1e-5)
     out.sum().backward()
-    # d/dm Σ_i log q_i(y_i) = Σ_i (onehot(y_i) − q_i)
+    # d/dm Σ_i log q_i(y_i) = Σ_i (onehot(y_i) − q_i) / T
     q = expected.exp()
-    grad_ref = (torch.nn.functional.one_hot(labels, base.shape[-1]).double() - q).sum((0, 1))
+    grad_ref = (torch.nn.functional.one_hot(labels, base.shape[-1]).double() - q).sum((0, 1)) / 3.0
     assert torch.allclose(mod_v.grad.double(), grad_ref, atol=1e-5)
 
 

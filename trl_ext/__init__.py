@@ -1,5 +1,6 @@
 """trl_ext: extensions to Hugging Face TRL for RLHF research on reducing the probability of undesirable outputs."""
 
+from importlib import import_module
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
@@ -10,4 +11,27 @@ try:
 except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0+local"
 
-__all__ = ["LossOutput", "__version__", "available_losses", "get_loss", "register_loss"]
+# Names served lazily from submodules (importing transformers/peft only when first used).
+_LAZY = {
+    "AutoModelForCausalLMWithValueHead": "trl_ext.models",
+    "ModulatedCausalLM": "trl_ext.models",
+    "apply_lora": "trl_ext.models",
+    "as_reward_function": "trl_ext.models",
+    "load_critic": "trl_ext.models",
+    "load_reward_model": "trl_ext.models",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'trl_ext' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = ["LossOutput", "__version__", "available_losses", "get_loss", "register_loss", *_LAZY]

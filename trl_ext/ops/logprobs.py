@@ -291,13 +291,13 @@ def modulated_logprobs(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     ignore_index: int = -100,
 ) -> torch.Tensor:
-    """Log-probs of the modulated ("twisted") distribution ``q ∝ softmax(base_logits / T) · exp(modulation)``.
+    """Log-probs of the modulated ("twisted") distribution ``q ∝ p · exp(modulation)``, at temperature ``T``.
 
-    ``log q = log_softmax(log_softmax(base_logits / T) + modulation)``, which equals
-    ``log_softmax(base_logits / T + modulation)`` because the inner normaliser is constant over the vocabulary; the
-    latter is what is computed. The temperature tempers the *base* model only: the modulation is a learned
-    log-potential added on top of the (tempered) base distribution, so ``T`` does not rescale it. The research code
-    always uses ``T = 1``, where both readings agree.
+    ``log q_T = log_softmax( (log_softmax(base_logits) + modulation) / T )``, computed as
+    ``log_softmax((base_logits + modulation) / T)`` (the inner normaliser is constant over the vocabulary). The
+    temperature tempers the whole tilted distribution, ``q_T ∝ (p·e^m)^{1/T}``: exactly what ``generate`` samples
+    from when it divides a :class:`~trl_ext.models.ModulatedCausalLM`'s logits by ``T``, so log-probs scored here match
+    the sampling distribution. The research code always uses ``T = 1``.
 
     Args:
         base_logits: ``(..., V)`` logits of the base model.
@@ -305,16 +305,18 @@ def modulated_logprobs(
         labels: optional ``(...)`` token ids. When given, the result is gathered at them (chunked, see
             :func:`logprobs_from_logits`; ``ignore_index`` positions give ``0``); otherwise the full ``(..., V)``
             log-probabilities are returned.
-        temperature: ``T > 0`` applied to ``base_logits``.
+        temperature: ``T > 0``.
 
     Returns:
         ``(...)`` or ``(..., V)`` fp32 tensor.
     """
     _check_args(temperature, chunk_size)
-    combined = _scaled_fp32(base_logits, temperature) + modulation  # promotes to fp32 (or fp64)
+    combined = _scaled_fp32(base_logits, 1.0) + modulation  # promotes to fp32 (or fp64)
     if labels is None:
-        return torch.log_softmax(combined, dim=-1)
-    return logprobs_from_logits(combined, labels, chunk_size=chunk_size, ignore_index=ignore_index)
+        return torch.log_softmax(combined / temperature, dim=-1)
+    return logprobs_from_logits(
+        combined, labels, temperature=temperature, chunk_size=chunk_size, ignore_index=ignore_index
+    )
 
 
 def entropy_from_logits(

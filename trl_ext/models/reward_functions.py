@@ -1,0 +1,460 @@
+"""One reward interface for all trainers: ``reward_fn(prompts, completions) -> (B,) float32 tensor``.
+
+Every implementation subclasses :class:`RewardFunction`:
+
+- :class:`ModelReward` — a reward model scoring ``prompt + completion`` with its own tokenizer (chat template
+  optional), read at the last real token (:func:`~trl_ext.models.reward.get_sequence_scores`).
+- :class:`CallableReward` — any Python function ``(prompts, completions) -> list[float] | tensor``.
+- :class:`TwoTokenizerReward` — a reward model with its own tokenizer that scores (question, answer) pairs split
+  from the *policy's* decoded text (the DeBERTa-RM case).
+- :class:`RemoteReward` — an HTTP reward server (``POST {"query": [...], "prompts": [...]}`` → ``{"rewards": [...]}``).
+
+:func:`as_reward_function` turns a model, a ``(model, tokenizer)`` pair, a callable, a URL or a checkpoint path into
+one. Trainers holding token ids call :meth:`RewardFunction.score_token_ids`, which decodes them first.
+All rewards come back on the CPU; move them to the trainer's device.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .reward import apply_reward_normalization, get_sequence_scores, load_reward_model
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CallableReward",
+    "ModelReward",
+    "RemoteReward",
+    "RemoteRewardError",
+    "RewardFunction",
+    "TwoTokenizerReward",
+    "as_reward_function",
+    "chat_template_markers",
+    "decode_token_ids",
+]
+
+
+def _to_reward_tensor(values: Any, expected: int, source: str) -> torch.Tensor:
+    """Check and convert ``values`` to a float32 CPU tensor of shape ``(expected,)``."""
+    if isinstance(values, torch.Tensor):
+        tensor = values.detach().to("cpu", torch.float32)
+    else:
+        try:
+            items = list(values)
+        except TypeError:
+            raise TypeError(
+                f"{source} returned {type(values).__name__}; expected a list of floats or a tensor."
+            ) from None
+        if any(v is None for v in items):
+            raise ValueError(f"{source} returned None for rows {[i for i, v in enumerate(items) if v is None][:5]}.")
+        try:
+            tensor = torch.as_tensor([float(v) for v in items], dtype=torch.float32)
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"{source} returned values that are not numbers: {err}") from None
+    if tensor.dim() == 2 and tensor.shape[-1] == 1:
+        tensor = tensor[:, 0]
+    if tensor.dim() != 1 or tensor.shape[0] != expected:
+        raise ValueError(
+            f"{source} returned rewards of shape {tuple(tensor.shape)} for {expected} completions; "
+            f"it must return one number per completion, shape ({expected},)."
+        )
+    return tensor
+
+
+def decode_token_ids(
+    token_ids: torch.Tensor, tokenizer, mask: torch.Tensor | None = None, skip_special_tokens: bool = True
+) -> list[str]:
+    """Decode each row of ``(B, T)`` ids, keeping only positions where ``mask`` is non-zero.
+
+    With ``mask=None`` the pad token is stripped by id, except when pad == eos (a real eos would be lost): then a
+    mask is required.
+    """
+    if mask is None:
+        if tokenizer.pad_token_id is not None and tokenizer.pad_token_id == tokenizer.eos_token_id:
+            if not skip_special_tokens:
+                raise ValueError("pad == eos: pass the attention mask so that padding can be told from a real eos.")
+        mask = (
+            token_ids != tokenizer.pad_token_id if tokenizer.pad_token_id is not None else torch.ones_like(token_ids)
+        )
+    rows = [ids[m != 0].tolist() for ids, m in zip(token_ids.cpu(), mask.cpu())]
+    return tokenizer.batch_decode(rows, skip_special_tokens=skip_special_tokens)
+
+
+class RewardFunction:
+    """Base class: ``reward_fn(prompts, completions, **kwargs)`` returns a float32 ``(B,)`` CPU tensor.
+
+    Subclasses implement :meth:`compute` (any list/tensor of ``B`` numbers); ``__call__`` checks the length and
+    converts. ``**kwargs`` carry extra dataset columns (as TRL passes them) and are ignored unless used.
+    """
+
+    name = "reward"
+
+    def compute(self, prompts: list, completions: list, **kwargs) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __call__(self, prompts: Sequence, completions: Sequence, **kwargs) -> torch.Tensor:
+        prompts, completions = list(prompts), list(completions)
+        if len(prompts) != len(completions):
+            raise ValueError(
+                f"{len(prompts)} prompts but {len(completions)} completions; pass one prompt per completion."
+            )
+        if not prompts:
+            return torch.zeros(0, dtype=torch.float32)
+        return _to_reward_tensor(self.compute(prompts, completions, **kwargs), len(prompts), self.name)
+
+    def score_token_ids(
+        self,
+        prompt_ids: torch.Tensor,
+        completion_ids: torch.Tensor,
+        tokenizer,
+        prompt_mask: torch.Tensor | None = None,
+        completion_mask: torch.Tensor | None = None,
+        skip_special_tokens: bool = True,
+        **kwargs,
+    ) -> torch.Tensor:
+        """Decode policy prompt / completion ids with the *policy* ``tokenizer`` (see :func:`decode_token_ids`),
+        then score the texts."""
+        prompts = decode_token_ids(prompt_ids, tokenizer, prompt_mask, skip_special_tokens)
+        completions = decode_token_ids(completion_ids, tokenizer, completion_mask, skip_special_tokens)
+        return self(prompts, completions, **kwargs)
+
+
+def _batched_model_scores(
+    model: nn.Module, encode: Callable[[int, int], dict], n: int, batch_size: int
+) -> torch.Tensor:
+    """Score ``n`` rows in chunks under ``no_grad`` and eval mode; ``encode(start, stop)`` gives tokenised inputs."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    out = []
+    try:
+        with torch.no_grad():
+            for start in range(0, n, batch_size):
+                batch = encode(start, min(n, start + batch_size))
+                inputs = {k: v.to(device) for k, v in batch.items()}  # token_type_ids too, for BERT-style pairs
+                out.append(
+                    get_sequence_scores(model, inputs.pop("input_ids"), inputs.pop("attention_mask"), **inputs).cpu()
+                )
+    finally:
+        model.train(was_training)
+    return torch.cat(out)
+
+
+def _as_messages(prompt, completion) -> list[dict]:
+    messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    if isinstance(completion, list):
+        return messages + list(completion)
+    return messages + [{"role": "assistant", "content": completion}]
+
+
+class ModelReward(RewardFunction):
+    """Score ``prompt + completion`` with a reward model and its own tokenizer.
+
+    Args:
+        model: a reward model (see :func:`~trl_ext.models.reward.load_reward_model`); normalisation from its config
+            is applied at its score head.
+        tokenizer: the reward model's tokenizer (its padding side is respected; it must have a pad token).
+        max_length: truncate the reward inputs to this many tokens (``None``: no truncation), on the tokenizer's
+            ``truncation_side`` (``"right"`` cuts the end of long completions; set ``"left"`` to keep it).
+        batch_size: rows per forward pass.
+        use_chat_template: render ``[user: prompt, assistant: completion]`` with the tokenizer's chat template (when
+            it has one) instead of concatenating the texts. Conversational prompts/completions (lists of messages)
+            always need a chat template.
+    """
+
+    name = "ModelReward"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        max_length: int | None = None,
+        batch_size: int = 8,
+        use_chat_template: bool = False,
+    ):
+        if tokenizer.pad_token_id is None:
+            raise ValueError("The reward tokenizer has no pad token; set `tokenizer.pad_token` (e.g. to its eos).")
+        self.model, self.tokenizer = model, tokenizer
+        self.max_length, self.batch_size = max_length, int(batch_size)
+        self.use_chat_template = use_chat_template and getattr(tokenizer, "chat_template", None) is not None
+        if use_chat_template and not self.use_chat_template:
+            logger.warning(
+                "ModelReward: the reward tokenizer has no chat template; prompt and completion are concatenated."
+            )
+        apply_reward_normalization(model)
+
+    def texts(self, prompts: list, completions: list) -> list[str]:
+        """The strings the reward model sees."""
+        conversational = any(isinstance(x, list) for x in (*prompts, *completions))
+        if conversational and getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                "Conversational prompts need a reward tokenizer with a chat template; pass plain strings."
+            )
+        if self.use_chat_template or conversational:
+            return [
+                self.tokenizer.apply_chat_template(_as_messages(p, c), tokenize=False)
+                for p, c in zip(prompts, completions)
+            ]
+        return [p + c for p, c in zip(prompts, completions)]
+
+    def compute(self, prompts: list, completions: list, **kwargs) -> torch.Tensor:
+        texts = self.texts(prompts, completions)
+        # A rendered chat template already holds its special tokens (e.g. BOS); do not add them twice.
+        add_special = not (self.use_chat_template or any(isinstance(p, list) for p in prompts))
+
+        def encode(start: int, stop: int) -> dict:
+            return self.tokenizer(
+                texts[start:stop],
+                padding=True,
+                truncation=self.max_length is not None,
+                max_length=self.max_length,
+                add_special_tokens=add_special,
+                return_tensors="pt",
+            )
+
+        return _batched_model_scores(self.model, encode, len(texts), self.batch_size)
+
+
+class CallableReward(RewardFunction):
+    """Wrap ``fn(prompts, completions, **kwargs) -> list[float] | tensor``; the result is checked and converted."""
+
+    def __init__(self, fn: Callable, name: str | None = None):
+        if not callable(fn):
+            raise TypeError(f"CallableReward needs a callable, got {type(fn).__name__}.")
+        self.fn = fn
+        self.name = name or getattr(fn, "__name__", type(fn).__name__)
+
+    def compute(self, prompts: list, completions: list, **kwargs) -> Any:
+        return self.fn(prompts, completions, **kwargs)
+
+
+def chat_template_markers(tokenizer, user_role: str = "user", assistant_role: str = "assistant") -> tuple[str, str]:
+    """The strings that precede a user question and an assistant answer in the tokenizer's chat format, as they read
+    after decoding with ``skip_special_tokens=True``: ``("user\\n", "assistant\\n")`` for ChatML (SmolLM, Qwen),
+    ``("user\\n\\n", "assistant\\n\\n")`` for Llama 3. Falls back to the ChatML markers without a template."""
+    default = (f"{user_role}\n", f"{assistant_role}\n")
+    if getattr(tokenizer, "chat_template", None) is None:
+        return default
+    q_mark, a_mark = "QSENTINELQ", "ASENTINELA"
+    try:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": q_mark}, {"role": "assistant", "content": a_mark}], tokenize=False
+        )
+        text = tokenizer.decode(tokenizer(rendered, add_special_tokens=False)["input_ids"], skip_special_tokens=True)
+    except Exception:  # templates that reject this conversation
+        return default
+    markers = []
+    for role, sentinel in ((user_role, q_mark), (assistant_role, a_mark)):
+        end = text.find(sentinel)
+        start = text.rfind(role, 0, end) if end >= 0 else -1
+        if start < 0:
+            return default
+        markers.append(text[start:end])
+    return markers[0], markers[1]
+
+
+class TwoTokenizerReward(RewardFunction):
+    """A reward model with its own tokenizer that scores a (question, answer) pair, from policy-side text.
+
+    Policy text (decoded with ``skip_special_tokens=True``) is split with the chat-template markers: the question is
+    the text after the first ``question_marker`` and before the next ``answer_marker``; the answer is the completion
+    (or, for a whole decoded sequence, the text after the first ``answer_marker``). Both are stripped and tokenised
+    as a pair ``rm_tokenizer(q, a, truncation=True, max_length=rm_max_length)``.
+
+    Args:
+        model: the reward model (one output), e.g. ``OpenAssistant/reward-model-deberta-v3-large-v2``.
+        rm_tokenizer: its tokenizer (must have a pad token).
+        policy_tokenizer: the policy's tokenizer, used to decode ids and to derive the default markers.
+        question_marker, answer_marker: override the markers (default from :func:`chat_template_markers`).
+        rm_max_length: truncation length of the pair (300 in the SmolLM RePULSe runs, 2048 elsewhere).
+        batch_size: rows per forward pass.
+    """
+
+    name = "TwoTokenizerReward"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        rm_tokenizer,
+        policy_tokenizer=None,
+        question_marker: str | None = None,
+        answer_marker: str | None = None,
+        rm_max_length: int = 2048,
+        batch_size: int = 8,
+    ):
+        if rm_tokenizer.pad_token_id is None:
+            raise ValueError("The reward tokenizer has no pad token; set `rm_tokenizer.pad_token`.")
+        q_default, a_default = (
+            chat_template_markers(policy_tokenizer) if policy_tokenizer is not None else ("user\n", "assistant\n")
+        )
+        self.model, self.rm_tokenizer, self.policy_tokenizer = model, rm_tokenizer, policy_tokenizer
+        self.question_marker = question_marker if question_marker is not None else q_default
+        self.answer_marker = answer_marker if answer_marker is not None else a_default
+        self.rm_max_length, self.batch_size = int(rm_max_length), int(batch_size)
+        apply_reward_normalization(model)
+
+    def question(self, prompt: str) -> str:
+        """The question inside a decoded policy prompt (the whole prompt when it has no marker)."""
+        start = prompt.find(self.question_marker)
+        text = prompt[start + len(self.question_marker) :] if start >= 0 else prompt
+        end = text.find(self.answer_marker)
+        return (text[:end] if end >= 0 else text).strip()
+
+    def split(self, text: str) -> tuple[str, str]:
+        """``(question, answer)`` of a whole decoded policy sequence, split at the first answer marker."""
+        cut = text.find(self.answer_marker)
+        if cut < 0:
+            raise ValueError(
+                f"No answer marker {self.answer_marker!r} in the decoded policy text {text[:80]!r}...; pass "
+                "answer_marker= (and question_marker=) matching the policy's chat format, or score (prompts, "
+                "completions) separately."
+            )
+        return self.question(text[:cut]), text[cut + len(self.answer_marker) :].strip()
+
+    def compute(self, prompts: list, completions: list, **kwargs) -> torch.Tensor:
+        questions = [self.question(p) for p in prompts]
+        answers = [c.strip() for c in completions]
+
+        def encode(start: int, stop: int) -> dict:
+            return self.rm_tokenizer(
+                questions[start:stop],
+                answers[start:stop],
+                truncation=True,
+                max_length=self.rm_max_length,
+                padding=True,
+                return_tensors="pt",
+            )
+
+        return _batched_model_scores(self.model, encode, len(prompts), self.batch_size)
+
+    def score_sequences(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Score whole policy sequences (prompt + response ids): decode with the policy tokenizer, split, score."""
+        if self.policy_tokenizer is None:
+            raise ValueError("score_sequences needs policy_tokenizer= to decode the policy's token ids.")
+        pairs = [self.split(t) for t in decode_token_ids(input_ids, self.policy_tokenizer, attention_mask)]
+        return self([q for q, _ in pairs], [a for _, a in pairs])
+
+
+class RemoteRewardError(RuntimeError):
+    """A reward server answered with an error, a malformed reply, or could not be reached after the retries."""
+
+
+class RemoteReward(RewardFunction):
+    """Client of a reward HTTP server (e.g. ``http://127.0.0.1:5000/get_reward``, OpenRLHF's format).
+
+    Posts ``{"query": [prompt + completion, ...], "prompts": [prompt, ...]}`` as JSON and reads ``{"rewards": [...]}``
+    (``"scores"`` is accepted too). Connection errors, timeouts, 429 and 5xx replies are retried up to ``retries``
+    times with exponential backoff (``backoff · 2^k`` seconds); other 4xx replies raise at once with the server's
+    message. Uses only the standard library.
+
+    Args:
+        url: endpoint URL.
+        timeout: seconds per request.
+        retries: retries after the first attempt.
+        batch_size: completions per request (``None``: all in one request).
+        backoff: first retry delay in seconds.
+        headers: extra HTTP headers (e.g. an ``Authorization`` header).
+    """
+
+    name = "RemoteReward"
+
+    def __init__(
+        self,
+        url: str,
+        timeout: float = 60.0,
+        retries: int = 3,
+        batch_size: int | None = None,
+        backoff: float = 0.5,
+        headers: dict[str, str] | None = None,
+    ):
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"RemoteReward needs an http(s) URL, got {url!r}.")
+        self.url, self.timeout, self.retries = url, float(timeout), int(retries)
+        self.batch_size, self.backoff, self.headers = batch_size, float(backoff), dict(headers or {})
+
+    def _post(self, payload: dict) -> dict:
+        data = json.dumps(payload).encode("utf-8")
+        headers = {"Content-Type": "application/json", **self.headers}
+        last_error = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            request = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    body = response.read().decode("utf-8")
+                try:
+                    return json.loads(body)
+                except json.JSONDecodeError:
+                    raise RemoteRewardError(
+                        f"Reward server {self.url} sent a reply that is not JSON: {body[:200]!r}"
+                    ) from None
+            except urllib.error.HTTPError as err:
+                message = err.read().decode("utf-8", "replace")[:500]
+                if err.code != 429 and err.code < 500:
+                    raise RemoteRewardError(
+                        f"Reward server {self.url} rejected the request with HTTP {err.code}: {message}"
+                    ) from None
+                last_error = f"HTTP {err.code}: {message}"
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
+                reason = getattr(err, "reason", err)
+                timed_out = isinstance(reason, TimeoutError)
+                last_error = f"timed out after {self.timeout}s (raise timeout=)" if timed_out else f"{reason}"
+            logger.warning("Reward server %s: attempt %d failed (%s).", self.url, attempt + 1, last_error)
+        raise RemoteRewardError(f"Reward server {self.url} failed after {self.retries + 1} attempts: {last_error}")
+
+    def compute(self, prompts: list, completions: list, **kwargs) -> torch.Tensor:
+        size = self.batch_size or len(prompts)
+        out = []
+        for start in range(0, len(prompts), size):
+            p, c = prompts[start : start + size], completions[start : start + size]
+            reply = self._post({"query": [a + b for a, b in zip(p, c)], "prompts": p})
+            rewards = reply.get("rewards", reply.get("scores")) if isinstance(reply, dict) else None
+            if rewards is None:
+                raise RemoteRewardError(
+                    f"Reward server {self.url} replied without a 'rewards' list: {str(reply)[:200]}"
+                )
+            out.append(_to_reward_tensor(rewards, len(p), f"Reward server {self.url}"))
+        return torch.cat(out)
+
+
+def as_reward_function(obj: Any, tokenizer=None, **kwargs) -> RewardFunction:
+    """Turn ``obj`` into a :class:`RewardFunction`.
+
+    - a ``RewardFunction``: returned as is;
+    - a model (``nn.Module``) with ``tokenizer=``, or a ``(model, tokenizer)`` pair: :class:`ModelReward`;
+    - an ``"http(s)://..."`` string: :class:`RemoteReward` (``kwargs`` go to it);
+    - another string / path: :func:`~trl_ext.models.reward.load_reward_model` then :class:`ModelReward`
+      (``kwargs`` go to ``ModelReward``: ``max_length``, ``batch_size``, ``use_chat_template``);
+    - any other callable: :class:`CallableReward`.
+    """
+    if isinstance(obj, RewardFunction):
+        return obj
+    if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], nn.Module):
+        return ModelReward(obj[0], obj[1], **kwargs)
+    if isinstance(obj, nn.Module):
+        if tokenizer is None:
+            raise ValueError(f"A reward model ({type(obj).__name__}) needs its tokenizer: pass tokenizer=.")
+        return ModelReward(obj, tokenizer, **kwargs)
+    if isinstance(obj, str) and obj.startswith(("http://", "https://")):
+        return RemoteReward(obj, **kwargs)
+    if isinstance(obj, (str, os.PathLike)):
+        model, rm_tokenizer = load_reward_model(obj, tokenizer=tokenizer)
+        return ModelReward(model, rm_tokenizer, **kwargs)
+    if callable(obj):
+        return CallableReward(obj)
+    raise TypeError(
+        f"Cannot make a reward function from {type(obj).__name__}; pass a model (+ tokenizer), a callable, "
+        "an http(s) URL or a reward-model path."
+    )
