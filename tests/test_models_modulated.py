@@ -364,3 +364,9 @@ def test_trl_dpo_trains_the_modulation_and_leaves_the_base_untouched(kind, refer
     changed = [n for n, p in model.named_parameters() if n in mod_before and not torch.equal(p, mod_before[n])]
     assert len(changed) == len(mod_before)
     assert not model.base_lm.training
+
+
+def test_inputs_embeds_is_refused_with_a_clear_error(tiny_tokenizer):
+    model = _modulated("linear_head", tokenizer=tiny_tokenizer)
+    with pytest.raises(ValueError, match="input_ids"):
+        model(inputs_embeds=torch.zeros(1, 3, 64))

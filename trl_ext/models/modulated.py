@@ -435,8 +435,9 @@ class ModulatedCausalLM(RefusesTrlForwardPatch, PreTrainedModel, GenerationMixin
             `ModulatedCausalLMOutput` (or ``FusedCausalLMOutput``).
         """
         if inputs_embeds is not None:
-            raise NotImplementedError(
-                "ModulatedCausalLM takes input_ids only: the base and the modulation backbone embed tokens separately."
+            raise ValueError(
+                "ModulatedCausalLM takes `input_ids`, not `inputs_embeds`: the base model and the modulation embed the "
+                "tokens separately. Pass the token ids."
             )
         if input_ids is None:
             raise ValueError("input_ids is required.")

@@ -16,6 +16,7 @@ All rewards come back on the CPU; move them to the trainer's device.
 
 from __future__ import annotations
 
+import abc
 import json
 import logging
 import os
@@ -91,7 +92,7 @@ def decode_token_ids(
     return tokenizer.batch_decode(rows, skip_special_tokens=skip_special_tokens)
 
 
-class RewardFunction:
+class RewardFunction(abc.ABC):
     """Base class: ``reward_fn(prompts, completions, **kwargs)`` returns a float32 ``(B,)`` CPU tensor.
 
     Subclasses implement :meth:`compute` (any list/tensor of ``B`` numbers); ``__call__`` checks the length and
@@ -100,8 +101,9 @@ class RewardFunction:
 
     name = "reward"
 
-    def compute(self, prompts: list, completions: list, **kwargs) -> Any:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def compute(self, prompts: list, completions: list, **kwargs) -> Any:
+        """Scores of the ``B`` (prompt, completion) pairs: any list/tensor of ``B`` numbers."""
 
     def __call__(self, prompts: Sequence, completions: Sequence, **kwargs) -> torch.Tensor:
         prompts, completions = list(prompts), list(completions)
