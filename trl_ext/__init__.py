@@ -19,6 +19,8 @@ _LAZY = {
     "as_reward_function": "trl_ext.models",
     "load_critic": "trl_ext.models",
     "load_reward_model": "trl_ext.models",
+    "PPOConfig": "trl_ext.trainers",
+    "PPOTrainer": "trl_ext.trainers",
 }
 
 

@@ -436,8 +436,8 @@ class ModulatedCausalLM(RefusesTrlForwardPatch, PreTrainedModel, GenerationMixin
         """
         if inputs_embeds is not None:
             raise ValueError(
-                "ModulatedCausalLM takes `input_ids`, not `inputs_embeds`: the base model and the modulation embed the "
-                "tokens separately. Pass the token ids."
+                "ModulatedCausalLM takes `input_ids`, not `inputs_embeds`: the base model and the modulation "
+                "embed the tokens separately. Pass the token ids."
             )
         if input_ids is None:
             raise ValueError("input_ids is required.")
