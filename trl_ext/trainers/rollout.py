@@ -1,0 +1,505 @@
+"""The rollout shared by every online trainer: sample responses, then score them with the policy, the reference, the
+critic and the reward.
+
+One rollout, for a batch of left-padded prompts:
+
+1. repeat each prompt ``N = num_samples_per_prompt`` times (rows stay grouped prompt by prompt);
+2. sample responses with the policy's own ``generate`` (plain, value-head, PEFT and modulated policies all have one)
+   under `trl.models.unwrap_model_for_generation`, with exactly the sampling settings given (the model's saved
+   generation config is swapped out meanwhile, so none of its defaults, e.g. ``top_k=50``, leak in);
+3. cut each response after its first stop token (pad after it; the stop token itself is part of the response);
+4. score ``prompt + response`` in chunks of ``forward_batch_size`` rows, with no gradient and in eval mode:
+   the policy's log-probs at the *sampling temperature* (:func:`forward_response`, the same function the trainers
+   use for their loss, so sampling-time and training-time log-probs agree), the reference's log-probs
+   (:class:`ReferencePolicy`), the values (when the model has a critic) and the scores (:class:`RolloutReward`);
+5. subtract ``missing_eos_penalty`` from the scores of responses without a stop token.
+
+The result is a :class:`Rollout`. No maths here beyond calling :mod:`trl_ext.ops`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+from torch import nn
+from transformers import GenerationConfig
+
+from ..models.lora import adapters_disabled, is_peft_model
+from ..models.reward import get_sequence_scores
+from ..models.reward_functions import RewardFunction, as_reward_function
+from ..models.value_head import AutoModelForCausalLMWithValueHead
+from ..ops.logprobs import DEFAULT_CHUNK_SIZE, entropy_from_logits, logprobs_from_logits
+from ..ops.sequences import position_ids_from_attention_mask, truncate_after_stop_token
+
+__all__ = [
+    "PolicyOutput",
+    "ReferencePolicy",
+    "Rollout",
+    "RolloutGenerator",
+    "RolloutReward",
+    "SamplingSettings",
+    "forward_response",
+    "generate_responses",
+    "supports_logits_to_keep",
+]
+
+logger = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------------------ the result
+@dataclass
+class Rollout:
+    """Sampled responses and everything measured on them. Rows are grouped prompt by prompt (``N`` rows each).
+
+    Shapes: ``B`` rows, ``P`` prompt tokens (left-padded), ``T`` response tokens (right-padded).
+    """
+
+    prompt_ids: torch.Tensor
+    """``(B, P)`` left-padded prompt ids (each prompt repeated ``num_samples_per_prompt`` times)."""
+    prompt_mask: torch.Tensor
+    """``(B, P)`` 1 on real prompt tokens."""
+    response_ids: torch.Tensor
+    """``(B, T)`` response ids; the pad id after the first stop token."""
+    response_mask: torch.Tensor
+    """``(B, T)`` 1 up to and including the first stop token, 0 after it."""
+    logprobs: torch.Tensor
+    """``(B, T)`` fp32 log-probs of the response tokens under the sampling policy, at the sampling temperature."""
+    ref_logprobs: torch.Tensor
+    """``(B, T)`` fp32 log-probs under the reference policy (same temperature)."""
+    scores: torch.Tensor
+    """``(B,)`` fp32 reward scores, ``missing_eos_penalty`` already subtracted."""
+    contains_stop: torch.Tensor
+    """``(B,)`` bool: the response holds a stop (EOS) token."""
+    values: torch.Tensor | None = None
+    """``(B, T)`` fp32 critic values ``V_t`` of the state before response token ``t`` (``None`` without critic)."""
+    num_samples_per_prompt: int = 1
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds spent in ``generation`` and ``scoring``."""
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """``(B, P + T)`` prompt and response ids."""
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """``(B, P + T)`` attention mask of :attr:`input_ids`."""
+        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+    @property
+    def batch_size(self) -> int:
+        return self.response_ids.shape[0]
+
+    @property
+    def response_length(self) -> int:
+        return self.response_ids.shape[1]
+
+    def _tensor_fields(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if torch.is_tensor(value):
+                yield f.name, value
+
+    def select(self, index: torch.Tensor | slice) -> Rollout:
+        """The rows ``index`` (a slice or an index tensor); grouping by prompt is only kept by aligned slices."""
+        return replace(self, **{name: value[index] for name, value in self._tensor_fields()})
+
+    def split(self, size: int) -> list[Rollout]:
+        """Consecutive chunks of ``size`` rows (the last may be shorter); a multiple of ``num_samples_per_prompt``
+        keeps every prompt's samples together."""
+        return [self.select(slice(start, start + size)) for start in range(0, self.batch_size, size)]
+
+    def to(self, device: torch.device | str) -> Rollout:
+        return replace(self, **{name: value.to(device) for name, value in self._tensor_fields()})
+
+    def state_dict(self) -> dict:
+        """Plain dict of CPU tensors and numbers (``torch.save``-able, loadable with ``weights_only=True``)."""
+        state = {name: value.detach().cpu() for name, value in self._tensor_fields()}
+        state.update(num_samples_per_prompt=self.num_samples_per_prompt, timings=dict(self.timings))
+        return state
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> Rollout:
+        return cls(**state)
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+@dataclass
+class SamplingSettings:
+    """How responses are sampled. Everything ``generate`` does is set here; nothing comes from the model's saved
+    generation config."""
+
+    max_new_tokens: int
+    pad_token_id: int
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] | None = None
+    """Responses end at the first of these ids (kept) and are padded after it; ``None``: no stop token."""
+    eos_token_id: int | None = None
+    """Id that counts as "ended properly" for ``contains_stop`` when no stop token is set."""
+    num_samples_per_prompt: int = 1
+    do_sample: bool = True
+
+    def generation_config(self) -> GenerationConfig:
+        kwargs = {"do_sample": self.do_sample, "max_new_tokens": self.max_new_tokens, "use_cache": True}
+        if self.do_sample:
+            kwargs.update(temperature=self.temperature, top_k=self.top_k or 0, top_p=self.top_p)
+        stop = list(self.stop_token_ids) if self.stop_token_ids else None
+        return GenerationConfig(
+            **kwargs, eos_token_id=stop, pad_token_id=self.pad_token_id, bos_token_id=None, repetition_penalty=1.0
+        )
+
+
+def _generation_module(model: nn.Module) -> nn.Module:
+    """The module whose ``generation_config`` ``generate`` reads (inside PEFT and value-head wrappers)."""
+    while True:
+        if is_peft_model(model):
+            model = model.get_base_model()
+        elif isinstance(model, AutoModelForCausalLMWithValueHead):
+            model = model.pretrained_model
+        else:
+            return model
+
+
+@contextlib.contextmanager
+def _generation_config(model: nn.Module, config: GenerationConfig):
+    target = _generation_module(model)
+    saved = getattr(target, "generation_config", None)
+    target.generation_config = config
+    try:
+        yield
+    finally:
+        target.generation_config = saved
+
+
+@torch.no_grad()
+def generate_responses(
+    model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: SamplingSettings, batch_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample one response per row of the left-padded prompts with ``model.generate``, ``batch_size`` rows at a time.
+
+    Returns ``(response_ids, response_mask, contains_stop)``: ``(B, T)`` ids with the pad id after the first stop
+    token, the ``(B, T)`` mask (1 up to and including that token) and the ``(B,)`` bool "has a stop token";
+    ``T ≤ max_new_tokens`` is the longest response. The model is put in eval mode meanwhile.
+    """
+    config = settings.generation_config()
+    was_training = model.training
+    model.eval()
+    chunks = []
+    try:
+        with _generation_config(model, config):
+            for start in range(0, prompt_ids.shape[0], batch_size):
+                ids, mask = prompt_ids[start : start + batch_size], prompt_mask[start : start + batch_size]
+                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+                chunks.append(out[:, ids.shape[1] :])
+    finally:
+        model.train(was_training)
+    width = max(1, max(c.shape[1] for c in chunks))
+    shape = (prompt_ids.shape[0], width)
+    responses = torch.full(shape, settings.pad_token_id, dtype=torch.long, device=prompt_ids.device)
+    generated = torch.zeros_like(responses, dtype=torch.bool)
+    row = 0
+    for chunk in chunks:
+        responses[row : row + chunk.shape[0], : chunk.shape[1]] = chunk
+        generated[row : row + chunk.shape[0], : chunk.shape[1]] = True
+        row += chunk.shape[0]
+    if settings.stop_token_ids:
+        responses, mask = truncate_after_stop_token(responses, settings.stop_token_ids, settings.pad_token_id)
+        mask = mask * generated
+    else:
+        mask = generated.long()
+    ended_ids = settings.stop_token_ids or ((settings.eos_token_id,) if settings.eos_token_id is not None else ())
+    ended = torch.tensor(list(ended_ids), dtype=torch.long, device=responses.device)
+    contains_stop = (torch.isin(responses, ended) & (mask != 0)).any(-1)
+    return responses, mask, contains_stop
+
+
+# ------------------------------------------------------------------------------------------------ scoring
+@dataclass
+class PolicyOutput:
+    """Per-response-token outputs of :func:`forward_response`, all ``(B, T)`` and zero where the mask is zero."""
+
+    logprobs: torch.Tensor
+    values: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+
+def supports_logits_to_keep(model: nn.Module) -> bool:
+    """Whether ``model``'s forward accepts ``logits_to_keep`` (looked up through DDP/DeepSpeed, PEFT and value-head
+    wrappers; a wrapper may also declare it with a ``supports_logits_to_keep`` attribute)."""
+    import inspect
+
+    for _ in range(8):
+        declared = getattr(model, "supports_logits_to_keep", None)
+        if isinstance(declared, bool):
+            return declared
+        if isinstance(getattr(model, "module", None), nn.Module):  # DDP, DeepSpeed engine
+            model = model.module
+        elif is_peft_model(model):
+            model = model.get_base_model()
+        elif isinstance(model, AutoModelForCausalLMWithValueHead):
+            model = model.pretrained_model
+        else:
+            break
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def forward_response(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_length: int,
+    *,
+    temperature: float = 1.0,
+    return_values: bool = False,
+    return_entropy: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> PolicyOutput:
+    """Log-probs (and values, entropies) of the last ``response_length`` tokens of ``prompt + response`` rows.
+
+    The one forward pass used for sampling-time log-probs, reference log-probs and the training loss. Positions come
+    from the mask; only the ``T + 1`` last logits are computed when the model supports ``logits_to_keep``; log-probs
+    are ``log_softmax(logits / temperature)`` at the tokens, chunked (:func:`trl_ext.ops.logprobs_from_logits`).
+    ``V_t`` is the critic output at the position *before* token ``t`` (the state the action is taken in). Gradients
+    flow through log-probs and values (entropies are computed without gradient, for logging).
+    """
+    T = response_length
+    kwargs = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids_from_attention_mask(attention_mask),
+        "use_cache": False,
+    }
+    if supports_logits_to_keep(model):
+        kwargs["logits_to_keep"] = T + 1
+    out = model(**kwargs)
+    logits = out.logits[:, -(T + 1) : -1]
+    keep = attention_mask[:, -T:] != 0
+    logprobs = logprobs_from_logits(logits, input_ids[:, -T:], temperature=temperature, chunk_size=chunk_size)
+    result = PolicyOutput(logprobs=torch.where(keep, logprobs, torch.zeros_like(logprobs)))
+    if return_values:
+        value = getattr(out, "value", None)
+        if value is None:
+            raise ValueError(f"{type(model).__name__} returned no `value`: it has no critic to read values from.")
+        value = value[:, -(T + 1) : -1].float()
+        result.values = torch.where(keep, value, torch.zeros_like(value))
+    if return_entropy:
+        with torch.no_grad():
+            result.entropy = entropy_from_logits(logits.detach(), keep, temperature=temperature, chunk_size=chunk_size)
+    return result
+
+
+class ReferencePolicy:
+    """The reference policy of the KL penalty (QUALITY_BARS item 8).
+
+    Either a separate frozen ``model``, or — with ``model=None`` — the trained PEFT policy itself with its adapters
+    disabled (its base weights), or with the named reference adapter ``adapter_name`` active. :meth:`describe`
+    states which one is used; trainers log it.
+    """
+
+    def __init__(
+        self, model: nn.Module | None = None, adapter_name: str | None = None, policy_adapter: str = "default"
+    ):
+        if model is not None and adapter_name is not None:
+            raise ValueError("Pass either a reference model or a reference adapter name, not both.")
+        self.model, self.adapter_name, self.policy_adapter = model, adapter_name, policy_adapter
+
+    def describe(self) -> str:
+        if self.model is not None:
+            return f"the separate frozen model {type(self.model).__name__}"
+        if self.adapter_name is not None:
+            return f"the policy with its reference adapter {self.adapter_name!r} active"
+        return "the LoRA base model, i.e. the policy with its adapters disabled"
+
+    @contextlib.contextmanager
+    def module(self, policy: nn.Module) -> Iterator[nn.Module]:
+        """Context yielding the module to run for reference log-probs; ``policy`` is the (unwrapped) PEFT policy."""
+        if self.model is not None:
+            yield self.model
+        elif self.adapter_name is not None:
+            policy.set_adapter(self.adapter_name)
+            try:
+                yield policy
+            finally:
+                policy.set_adapter(self.policy_adapter)
+        else:
+            with adapters_disabled(policy) as base:
+                yield base
+
+
+class RolloutReward:
+    """Scores ``prompt + response`` rows: ``(B,)`` fp32 on the rows' device.
+
+    - an ``nn.Module`` reward model is taken to share the policy's tokenizer (TRL's PPO convention) and is scored on
+      the token ids with :func:`~trl_ext.models.get_sequence_scores`, at the last real token of each row (from the
+      mask, so left/right padding and pad == eos are right);
+    - anything else goes through :func:`~trl_ext.models.as_reward_function` (a ``(model, tokenizer)`` pair, a
+      ``RewardFunction``, a callable ``(prompts, completions) -> scores``, a URL, a checkpoint path) and is scored on
+      the decoded texts.
+    """
+
+    def __init__(self, reward, tokenizer):
+        self.tokenizer = tokenizer
+        self.model: nn.Module | None = None
+        self.function: RewardFunction | None = None
+        if isinstance(reward, nn.Module):
+            embeddings = reward.get_input_embeddings() if hasattr(reward, "get_input_embeddings") else None
+            size = getattr(embeddings, "num_embeddings", None)
+            if size is not None and size < len(tokenizer):
+                raise ValueError(
+                    f"The reward model's vocabulary ({size} tokens) is smaller than the policy tokenizer's "
+                    f"({len(tokenizer)}): it cannot read the policy's token ids. If it has its own tokenizer, pass "
+                    "reward_model=(model, its_tokenizer) to score decoded text instead."
+                )
+            self.model = reward
+        else:
+            self.function = as_reward_function(reward)
+
+    @property
+    def uses_token_ids(self) -> bool:
+        return self.model is not None
+
+    @torch.no_grad()
+    def __call__(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
+        device = prompt_ids.device
+        if self.model is not None:
+            param = next(self.model.parameters(), None)
+            target = param.device if param is not None else device
+            ids = torch.cat([prompt_ids, response_ids], 1).to(target)
+            mask = torch.cat([prompt_mask, response_mask], 1).to(target)
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                return get_sequence_scores(self.model, ids, mask).float().to(device)
+            finally:
+                self.model.train(was_training)
+        scores = self.function.score_token_ids(prompt_ids, response_ids, self.tokenizer, prompt_mask, response_mask)
+        return scores.float().to(device)
+
+
+# ------------------------------------------------------------------------------------------------ the rollout
+class RolloutGenerator:
+    """Makes :class:`Rollout` s. Configure once, call per prompt batch: ``rollout = generator(model, ids, mask)``.
+
+    Args:
+        settings: the sampling settings (temperature, stop tokens, N samples per prompt, ...).
+        reward: a :class:`RolloutReward`.
+        reference: a :class:`ReferencePolicy`.
+        forward_batch_size: rows per ``generate`` call and per scoring forward pass.
+        accelerator: the trainer's `accelerate.Accelerator` (generation unwraps the model through it and scoring
+            runs under its autocast); ``None`` for a plain module.
+        missing_eos_penalty: subtracted from the scores of responses without a stop token.
+        policy_of: maps the unwrapped trainable model to the policy that generates (e.g. ``lambda m: m.policy``).
+        with_values: read the critic's values (``model(...)`` must return ``value``).
+        gather_deepspeed3_params: passed to `trl.models.unwrap_model_for_generation`.
+        gradient_checkpointing_kwargs: passed to it too (it re-enables checkpointing after generation).
+        chunk_size: tokens per chunk of the log-prob computation.
+    """
+
+    def __init__(
+        self,
+        settings: SamplingSettings,
+        reward: RolloutReward,
+        reference: ReferencePolicy,
+        forward_batch_size: int,
+        accelerator=None,
+        missing_eos_penalty: float | None = None,
+        policy_of: Callable[[nn.Module], nn.Module] = lambda model: model,
+        with_values: bool = False,
+        gather_deepspeed3_params: bool = True,
+        gradient_checkpointing_kwargs: dict | None = None,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ):
+        self.settings, self.reward, self.reference = settings, reward, reference
+        self.forward_batch_size, self.accelerator = int(forward_batch_size), accelerator
+        self.missing_eos_penalty, self.policy_of, self.with_values = missing_eos_penalty, policy_of, with_values
+        self.gather_deepspeed3_params = gather_deepspeed3_params
+        self.gradient_checkpointing_kwargs, self.chunk_size = gradient_checkpointing_kwargs, chunk_size
+
+    def _unwrapped(self, model: nn.Module) -> nn.Module:
+        return self.accelerator.unwrap_model(model) if self.accelerator is not None else model
+
+    @contextlib.contextmanager
+    def _generation_model(self, model: nn.Module) -> Iterator[nn.Module]:
+        if self.accelerator is None:
+            yield self.policy_of(model)
+            return
+        from trl.models import unwrap_model_for_generation
+
+        with unwrap_model_for_generation(
+            model,
+            self.accelerator,
+            gather_deepspeed3_params=self.gather_deepspeed3_params,
+            gradient_checkpointing_kwargs=self.gradient_checkpointing_kwargs,
+        ) as unwrapped:
+            yield self.policy_of(unwrapped)
+
+    def _autocast(self):
+        return self.accelerator.autocast() if self.accelerator is not None else contextlib.nullcontext()
+
+    def __call__(self, model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Rollout:
+        """Sample and score responses for left-padded ``prompt_ids``/``prompt_mask`` ``(B_p, P)``.
+
+        ``model`` is the trainable module as the trainer holds it (possibly DDP/DeepSpeed-wrapped); its forward
+        gives the policy's logits (and ``value`` with ``with_values``).
+        """
+        n = self.settings.num_samples_per_prompt
+        prompt_ids = prompt_ids.repeat_interleave(n, dim=0)
+        prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
+        start = time.perf_counter()
+        with self._generation_model(model) as policy:
+            responses, response_mask, contains_stop = generate_responses(
+                policy, prompt_ids, prompt_mask, self.settings, self.forward_batch_size
+            )
+        generation_time = time.perf_counter() - start
+        start = time.perf_counter()
+        ids = torch.cat([prompt_ids, responses], 1)
+        mask = torch.cat([prompt_mask, response_mask], 1)
+        T = responses.shape[1]
+        parts: dict[str, list[torch.Tensor]] = {"logprobs": [], "ref_logprobs": [], "values": [], "scores": []}
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), self._autocast():
+                for s in range(0, ids.shape[0], self.forward_batch_size):
+                    rows = slice(s, s + self.forward_batch_size)
+                    out = forward_response(
+                        model, ids[rows], mask[rows], T, temperature=self.settings.temperature,
+                        return_values=self.with_values, chunk_size=self.chunk_size,
+                    )  # fmt: skip
+                    parts["logprobs"].append(out.logprobs)
+                    if out.values is not None:
+                        parts["values"].append(out.values)
+                    with self.reference.module(self.policy_of(self._unwrapped(model))) as reference:
+                        ref = forward_response(
+                            reference, ids[rows], mask[rows], T,
+                            temperature=self.settings.temperature, chunk_size=self.chunk_size,
+                        )  # fmt: skip
+                    parts["ref_logprobs"].append(ref.logprobs)
+                    parts["scores"].append(
+                        self.reward(prompt_ids[rows], prompt_mask[rows], responses[rows], response_mask[rows])
+                    )
+        finally:
+            model.train(was_training)
+        scores = torch.cat(parts["scores"])
+        if self.missing_eos_penalty is not None:
+            scores = torch.where(contains_stop, scores, scores - self.missing_eos_penalty)
+        return Rollout(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=responses,
+            response_mask=response_mask,
+            logprobs=torch.cat(parts["logprobs"]),
+            ref_logprobs=torch.cat(parts["ref_logprobs"]),
+            scores=scores,
+            contains_stop=contains_stop,
+            values=torch.cat(parts["values"]) if parts["values"] else None,
+            num_samples_per_prompt=n,
+            timings={"generation": generation_time, "scoring": time.perf_counter() - start},
+        )
