@@ -9,13 +9,15 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-slow lint format bench clean
+.PHONY: setup test test-slow lint format bench bench-ppo clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[dev,quantization]"
+	# DeepSpeed without its CUDA ops (CPU machines; the 2-process ZeRO-2 launch test uses it).
+	DS_BUILD_OPS=0 $(PIP) install -q --no-build-isolation "deepspeed>=0.17,<0.20"
 	touch $@
 
 setup: $(VENV)/.installed
@@ -38,6 +40,10 @@ format: setup
 
 bench: setup
 	$(PY) bench/logprobs_memory.py
+
+bench-ppo: setup
+	test -x bench/.venv-trl112/bin/python || bash bench/setup_trl112_venv.sh
+	$(PY) bench/ppo_vs_trl112.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build dist *.egg-info
