@@ -27,9 +27,6 @@ TINY_YAML = EXAMPLES / "ppo_tiny.yaml"
 ACCELERATE_CONFIGS = REPO / "accelerate_configs"
 
 # Until the PPO core lands, everything that imports the trainer is skipped (the config checks still run).
-requires_ppo_core = pytest.mark.skipif(
-    not (REPO / "trl_ext" / "trainers" / "ppo_trainer.py").exists(), reason="trl_ext.trainers.PPOTrainer not present"
-)
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
@@ -197,7 +194,6 @@ def test_accelerate_configs_readme_covers_every_config():
 
 
 # ---------------------------------------------------------------------------------------------------------- recipe
-@requires_ppo_core
 def test_recipe_help_lists_the_options():
     proc = run([sys.executable, str(RECIPE), "--help"], timeout=120)
     for option in (
@@ -214,7 +210,6 @@ def test_recipe_help_lists_the_options():
         assert option in proc.stdout, option
 
 
-@requires_ppo_core
 def test_recipe_yaml_values_are_overridden_by_flags(recipe_module, tmp_path):
     script_args, training_args, model_args = recipe_module.make_parser().parse_args_and_config(
         ["--config", str(TINY_YAML), "--output_dir", str(tmp_path), "--response_length", "5"]
@@ -226,7 +221,6 @@ def test_recipe_yaml_values_are_overridden_by_flags(recipe_module, tmp_path):
     assert script_args.dataset_name == "outputs/tiny/prompts.jsonl" and script_args.value_model_path is None
 
 
-@requires_ppo_core
 def test_recipe_loads_local_prompt_files(recipe_module, prompts_file, tmp_path):
     from trl import ScriptArguments
 
@@ -244,7 +238,6 @@ def test_recipe_loads_local_prompt_files(recipe_module, prompts_file, tmp_path):
         recipe_module.load_prompts(ScriptArguments())
 
 
-@requires_ppo_core
 def test_recipe_trains_and_saves_with_accelerate_launch(tiny_workdir):
     """The documented tiny run on the CPU, unchanged: 4 PPO updates, then a loadable policy in outputs/ppo-tiny."""
     launch = ["--config_file", str(ACCELERATE_CONFIGS / "single_gpu.yaml"), "--mixed_precision", "no"]
