@@ -20,13 +20,10 @@ from test_ppo_recipe import (
     accelerate_launch,
     assert_trained_policy_saved,
     recipe_command,
-    requires_ppo_core,
     run,
     tiny_workdir,  # noqa: F401  (fixture: the inputs of examples/ppo_tiny.yaml in a scratch folder)
     trained_summary,
 )
-
-pytestmark = requires_ppo_core
 
 
 def free_port() -> int:
