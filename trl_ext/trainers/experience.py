@@ -67,18 +67,24 @@ class Experience:
         ``old_logprobs``, ``advantages``, ``normalizer`` and, with a critic, ``returns`` and ``old_values``."""
         idx = self.schedule[position].to(self.advantages.device)
         r = self.rollout
+        # Columns that are padding in every row of the micro-batch (left of the longest prompt, right of the longest
+        # response) are dropped: they change no result (positions come from the mask) and cost compute.
+        prompt_mask, response_mask = r.prompt_mask[idx], r.response_mask[idx]
+        first = int(prompt_mask.any(0).int().argmax()) if prompt_mask.any() else 0
+        used = response_mask.any(0)
+        width = int(used.nonzero().max()) + 1 if used.any() else 1
         batch = {
-            "input_ids": r.input_ids[idx],
-            "attention_mask": r.attention_mask[idx],
-            "response_mask": r.response_mask[idx],
-            "old_logprobs": r.logprobs[idx],
-            "advantages": self.advantages[idx],
+            "input_ids": torch.cat([r.prompt_ids[idx][:, first:], r.response_ids[idx][:, :width]], dim=1),
+            "attention_mask": torch.cat([prompt_mask[:, first:], response_mask[:, :width]], dim=1),
+            "response_mask": response_mask[:, :width],
+            "old_logprobs": r.logprobs[idx][:, :width],
+            "advantages": self.advantages[idx][:, :width],
             "normalizer": self.normalizers[position],
         }
         if self.returns is not None:
-            batch["returns"] = self.returns[idx]
+            batch["returns"] = self.returns[idx][:, :width]
         if r.values is not None:
-            batch["old_values"] = r.values[idx]
+            batch["old_values"] = r.values[idx][:, :width]
         return batch
 
     def state_dict(self) -> dict:

@@ -20,6 +20,7 @@ from transformers.utils import ModelOutput
 from ..models.critic import get_token_values
 from ..models.lora import is_peft_model, reference_is_base_with_adapters_disabled
 from ..models.value_head import AutoModelForCausalLMWithValueHead, prepare_value_head_for_peft
+from ..ops.sequences import position_ids_from_attention_mask
 from .rollout import ReferencePolicy, supports_logits_to_keep
 
 __all__ = ["PolicyAndValueModel", "PolicyValueOutput", "build_ppo_models", "has_value_head"]
@@ -98,6 +99,21 @@ class PolicyAndValueModel(nn.Module):
             else:
                 value = get_token_values(self.value_model, input_ids, attention_mask)
         return PolicyValueOutput(logits=logits, value=value)
+
+    def critic_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int):
+        """``(B, T)`` fp32 values ``V_t`` of the state before each of the last ``T = response_length`` tokens, zero
+        on padding — without running the policy when the critic is a separate model (rollout scoring, whose
+        sampling-time log-probs come from ``generate``)."""
+        if not self.has_critic:
+            raise ValueError("This PolicyAndValueModel has no critic to read values from.")
+        T = response_length
+        if self.value_model is not None:
+            value = get_token_values(self.value_model, input_ids, attention_mask)
+        else:
+            position_ids = position_ids_from_attention_mask(attention_mask)
+            value = self(input_ids, attention_mask, position_ids=position_ids, logits_to_keep=T + 1).value
+        value = value[:, -(T + 1) : -1].float()
+        return torch.where(attention_mask[:, -T:] != 0, value, torch.zeros_like(value))
 
     # ---------------------------------------------------------------------------- activation checkpointing
     def _parts(self) -> list[nn.Module]:

@@ -6,12 +6,14 @@ One rollout, for a batch of left-padded prompts:
 1. repeat each prompt ``N = num_samples_per_prompt`` times (rows stay grouped prompt by prompt);
 2. sample responses with the policy's own ``generate`` (plain, value-head, PEFT and modulated policies all have one)
    under `trl.models.unwrap_model_for_generation`, with exactly the sampling settings given (the model's saved
-   generation config is swapped out meanwhile, so none of its defaults, e.g. ``top_k=50``, leak in);
+   generation config is swapped out meanwhile, so none of its defaults, e.g. ``top_k=50``, leak in); tokens are
+   drawn by :class:`~trl_ext.trainers.sampling.SampleAndRecord`, which also records their log-probs;
 3. cut each response after its first stop token (pad after it; the stop token itself is part of the response);
 4. score ``prompt + response`` in chunks of ``forward_batch_size`` rows, with no gradient and in eval mode:
-   the policy's log-probs at the *sampling temperature* (:func:`forward_response`, the same function the trainers
-   use for their loss, so sampling-time and training-time log-probs agree), the reference's log-probs
-   (:class:`ReferencePolicy`), the values (when the model has a critic) and the scores (:class:`RolloutReward`);
+   the policy's log-probs at the *sampling temperature* (recorded during sampling in fp32; otherwise from
+   :func:`forward_response`, the function the trainers use for their loss — both agree with the training-time
+   log-probs to ~1e-6), the reference's log-probs (:class:`ReferencePolicy`), the values (when the model has a
+   critic) and the scores (:class:`RolloutReward`);
 5. subtract ``missing_eos_penalty`` from the scores of responses without a stop token.
 
 The result is a :class:`Rollout`. No maths here beyond calling :mod:`trl_ext.ops`.
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 from torch import nn
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessorList
 
 from ..models.lora import adapters_disabled, is_peft_model
 from ..models.reward import get_sequence_scores
@@ -35,6 +37,7 @@ from ..models.reward_functions import RewardFunction, as_reward_function
 from ..models.value_head import AutoModelForCausalLMWithValueHead
 from ..ops.logprobs import DEFAULT_CHUNK_SIZE, entropy_from_logits, logprobs_from_logits
 from ..ops.sequences import position_ids_from_attention_mask, truncate_after_stop_token
+from .sampling import SampleAndRecord
 
 __all__ = [
     "PolicyOutput",
@@ -147,13 +150,19 @@ class SamplingSettings:
     do_sample: bool = True
 
     def generation_config(self) -> GenerationConfig:
-        kwargs = {"do_sample": self.do_sample, "max_new_tokens": self.max_new_tokens, "use_cache": True}
-        if self.do_sample:
-            kwargs.update(temperature=self.temperature, top_k=self.top_k or 0, top_p=self.top_p)
+        """The config ``generate`` runs with. Sampling is done by :meth:`sampler` (a logits processor), so
+        ``generate`` itself runs greedily and has no temperature/top-k/top-p of its own."""
+        kwargs = {"do_sample": False, "max_new_tokens": self.max_new_tokens, "use_cache": True}
         stop = list(self.stop_token_ids) if self.stop_token_ids else None
         return GenerationConfig(
             **kwargs, eos_token_id=stop, pad_token_id=self.pad_token_id, bos_token_id=None, repetition_penalty=1.0
         )
+
+    def sampler(self) -> SampleAndRecord | None:
+        """A fresh :class:`~trl_ext.trainers.sampling.SampleAndRecord` for one ``generate`` call (``None``: greedy)."""
+        if not self.do_sample:
+            return None
+        return SampleAndRecord(self.temperature, self.top_k, self.top_p)
 
 
 def _generation_module(model: nn.Module) -> nn.Module:
@@ -180,34 +189,51 @@ def _generation_config(model: nn.Module, config: GenerationConfig):
 
 @torch.no_grad()
 def generate_responses(
-    model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: SamplingSettings, batch_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    settings: SamplingSettings,
+    batch_size: int,
+    *,
+    return_logprobs: bool = False,
+):
     """Sample one response per row of the left-padded prompts with ``model.generate``, ``batch_size`` rows at a time.
 
     Returns ``(response_ids, response_mask, contains_stop)``: ``(B, T)`` ids with the pad id after the first stop
     token, the ``(B, T)`` mask (1 up to and including that token) and the ``(B,)`` bool "has a stop token";
-    ``T ≤ max_new_tokens`` is the longest response. The model is put in eval mode meanwhile.
+    ``T ≤ max_new_tokens`` is the longest response. With ``return_logprobs`` a fourth item follows: the ``(B, T)``
+    fp32 sampling-time log-probs ``log_softmax(logits / temperature)`` of the response tokens, zero where the mask is
+    zero (``None`` when sampling greedily). The model is put in eval mode meanwhile.
     """
     config = settings.generation_config()
     was_training = model.training
     model.eval()
-    chunks = []
+    chunks, logprob_chunks = [], []
     try:
         with _generation_config(model, config):
             for start in range(0, prompt_ids.shape[0], batch_size):
                 ids, mask = prompt_ids[start : start + batch_size], prompt_mask[start : start + batch_size]
-                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+                sampler = settings.sampler()
+                processors = LogitsProcessorList([sampler] if sampler is not None else [])
+                out = model.generate(
+                    input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=processors
+                )
                 chunks.append(out[:, ids.shape[1] :])
+                if sampler is not None:
+                    logprob_chunks.append(sampler.logprobs()[:, : chunks[-1].shape[1]])
     finally:
         model.train(was_training)
     width = max(1, max(c.shape[1] for c in chunks))
     shape = (prompt_ids.shape[0], width)
     responses = torch.full(shape, settings.pad_token_id, dtype=torch.long, device=prompt_ids.device)
     generated = torch.zeros_like(responses, dtype=torch.bool)
+    logprobs = torch.zeros(shape, dtype=torch.float32, device=prompt_ids.device) if logprob_chunks else None
     row = 0
-    for chunk in chunks:
+    for i, chunk in enumerate(chunks):
         responses[row : row + chunk.shape[0], : chunk.shape[1]] = chunk
         generated[row : row + chunk.shape[0], : chunk.shape[1]] = True
+        if logprobs is not None:
+            logprobs[row : row + chunk.shape[0], : chunk.shape[1]] = logprob_chunks[i].to(logprobs.device)
         row += chunk.shape[0]
     if settings.stop_token_ids:
         responses, mask = truncate_after_stop_token(responses, settings.stop_token_ids, settings.pad_token_id)
@@ -217,7 +243,11 @@ def generate_responses(
     ended_ids = settings.stop_token_ids or ((settings.eos_token_id,) if settings.eos_token_id is not None else ())
     ended = torch.tensor(list(ended_ids), dtype=torch.long, device=responses.device)
     contains_stop = (torch.isin(responses, ended) & (mask != 0)).any(-1)
-    return responses, mask, contains_stop
+    if not return_logprobs:
+        return responses, mask, contains_stop
+    if logprobs is not None:
+        logprobs = torch.where(mask != 0, logprobs, torch.zeros_like(logprobs))
+    return responses, mask, contains_stop, logprobs
 
 
 # ------------------------------------------------------------------------------------------------ scoring
@@ -279,9 +309,13 @@ def forward_response(
     if supports_logits_to_keep(model):
         kwargs["logits_to_keep"] = T + 1
     out = model(**kwargs)
-    logits = out.logits[:, -(T + 1) : -1]
+    # The last T + 1 positions, whole: slicing off the final one would make the logits non-contiguous, and every pass
+    # over them (log-probs forward and backward, entropy) would then copy them. The final position gets the ignored
+    # label instead (log-prob exactly 0, no gradient) and is dropped from the results.
+    logits = out.logits[:, -(T + 1) :]
     keep = attention_mask[:, -T:] != 0
-    logprobs = logprobs_from_logits(logits, input_ids[:, -T:], temperature=temperature, chunk_size=chunk_size)
+    labels = torch.cat([input_ids[:, -T:], torch.full_like(input_ids[:, :1], -100)], dim=1)
+    logprobs = logprobs_from_logits(logits, labels, temperature=temperature, chunk_size=chunk_size)[:, :T]
     result = PolicyOutput(logprobs=torch.where(keep, logprobs, torch.zeros_like(logprobs)))
     if return_values:
         value = getattr(out, "value", None)
@@ -291,7 +325,9 @@ def forward_response(
         result.values = torch.where(keep, value, torch.zeros_like(value))
     if return_entropy:
         with torch.no_grad():
-            result.entropy = entropy_from_logits(logits.detach(), keep, temperature=temperature, chunk_size=chunk_size)
+            keep_all = torch.cat([keep, torch.zeros_like(keep[:, :1])], dim=1)
+            entropy = entropy_from_logits(logits.detach(), keep_all, temperature=temperature, chunk_size=chunk_size)
+            result.entropy = entropy[:, :T]
     return result
 
 
@@ -400,6 +436,10 @@ class RolloutGenerator:
         gather_deepspeed3_params: passed to `trl.models.unwrap_model_for_generation`.
         gradient_checkpointing_kwargs: passed to it too (it re-enables checkpointing after generation).
         chunk_size: tokens per chunk of the log-prob computation.
+        logprobs_from_generation: take the policy's sampling-time log-probs from ``generate`` itself (recorded by
+            :class:`~trl_ext.trainers.sampling.SampleAndRecord`) instead of a separate forward pass. Only used when
+            the policy computes in fp32 without mixed precision: in 16-bit, cached decoding and a full forward pass
+            differ by more than the PPO ratio tolerates, so the forward pass is kept there.
     """
 
     def __init__(
@@ -415,8 +455,10 @@ class RolloutGenerator:
         gather_deepspeed3_params: bool = True,
         gradient_checkpointing_kwargs: dict | None = None,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
+        logprobs_from_generation: bool = True,
     ):
         self.settings, self.reward, self.reference = settings, reward, reference
+        self.logprobs_from_generation = logprobs_from_generation
         self.forward_batch_size, self.accelerator = int(forward_batch_size), accelerator
         self.missing_eos_penalty, self.policy_of, self.with_values = missing_eos_penalty, policy_of, with_values
         self.gather_deepspeed3_params = gather_deepspeed3_params
@@ -443,6 +485,22 @@ class RolloutGenerator:
     def _autocast(self):
         return self.accelerator.autocast() if self.accelerator is not None else contextlib.nullcontext()
 
+    def _full_precision(self, policy: nn.Module) -> bool:
+        if self.accelerator is not None and str(self.accelerator.mixed_precision) != "no":
+            return False
+        param = next(policy.parameters(), None)
+        return param is None or param.dtype == torch.float32
+
+    def _values(self, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, T: int) -> torch.Tensor:
+        """Critic values without the policy's log-probs: through ``critic_values`` when the module has it (e.g.
+        :class:`~trl_ext.trainers.policy_value.PolicyAndValueModel`, which then skips the policy when the critic is
+        a separate model), else through :func:`forward_response`."""
+        critic_values = getattr(self._unwrapped(model), "critic_values", None)
+        if critic_values is not None:
+            return critic_values(ids, mask, T)
+        out = forward_response(model, ids, mask, T, temperature=self.settings.temperature, return_values=True)
+        return out.values
+
     def __call__(self, model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Rollout:
         """Sample and score responses for left-padded ``prompt_ids``/``prompt_mask`` ``(B_p, P)``.
 
@@ -454,9 +512,11 @@ class RolloutGenerator:
         prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
         start = time.perf_counter()
         with self._generation_model(model) as policy:
-            responses, response_mask, contains_stop = generate_responses(
-                policy, prompt_ids, prompt_mask, self.settings, self.forward_batch_size
+            responses, response_mask, contains_stop, sampled_logprobs = generate_responses(
+                policy, prompt_ids, prompt_mask, self.settings, self.forward_batch_size, return_logprobs=True
             )
+            if not (self.logprobs_from_generation and self._full_precision(policy)):
+                sampled_logprobs = None
         generation_time = time.perf_counter() - start
         start = time.perf_counter()
         ids = torch.cat([prompt_ids, responses], 1)
@@ -469,13 +529,18 @@ class RolloutGenerator:
             with torch.no_grad(), self._autocast():
                 for s in range(0, ids.shape[0], self.forward_batch_size):
                     rows = slice(s, s + self.forward_batch_size)
-                    out = forward_response(
-                        model, ids[rows], mask[rows], T, temperature=self.settings.temperature,
-                        return_values=self.with_values, chunk_size=self.chunk_size,
-                    )  # fmt: skip
-                    parts["logprobs"].append(out.logprobs)
-                    if out.values is not None:
-                        parts["values"].append(out.values)
+                    if sampled_logprobs is not None:
+                        parts["logprobs"].append(sampled_logprobs[rows])
+                        if self.with_values:
+                            parts["values"].append(self._values(model, ids[rows], mask[rows], T))
+                    else:
+                        out = forward_response(
+                            model, ids[rows], mask[rows], T, temperature=self.settings.temperature,
+                            return_values=self.with_values, chunk_size=self.chunk_size,
+                        )  # fmt: skip
+                        parts["logprobs"].append(out.logprobs)
+                        if out.values is not None:
+                            parts["values"].append(out.values)
                     with self.reference.module(self.policy_of(self._unwrapped(model))) as reference:
                         ref = forward_response(
                             reference, ids[rows], mask[rows], T,
