@@ -1,0 +1,34 @@
+"""Rewards: the reward-shaping maths shared by every trainer, and simple reward functions.
+
+- :mod:`~trl_ext.rewards.shaping`: ``rm_type`` map (:func:`map_reward`), the target's log-potential ``β·R``
+  (:func:`log_target_weight`), reward transforms (:func:`transform_reward`) and :class:`RewardShaping`, which bundles
+  them (ALGORITHMS.md §2).
+- :mod:`~trl_ext.rewards.lexical`: :class:`LexicalReward`, a word/token-list reward (e.g. with
+  :data:`OFFENSIVE_WORDS`).
+
+See docs/rewards.md for runnable examples.
+"""
+
+from .lexical import OFFENSIVE_WORDS, LexicalReward, word_token_ids
+from .shaping import (
+    INDICATOR_REWARD_EPS,
+    REWARD_TRANSFORMS,
+    RM_TYPES,
+    RewardShaping,
+    log_target_weight,
+    map_reward,
+    transform_reward,
+)
+
+__all__ = [
+    "INDICATOR_REWARD_EPS",
+    "OFFENSIVE_WORDS",
+    "REWARD_TRANSFORMS",
+    "RM_TYPES",
+    "LexicalReward",
+    "RewardShaping",
+    "log_target_weight",
+    "map_reward",
+    "transform_reward",
+    "word_token_ids",
+]
