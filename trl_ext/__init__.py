@@ -21,6 +21,13 @@ _LAZY = {
     "load_reward_model": "trl_ext.models",
     "PPOConfig": "trl_ext.trainers",
     "PPOTrainer": "trl_ext.trainers",
+    "HarmlessnessConfig": "trl_ext.trainers",
+    "HarmlessnessTrainer": "trl_ext.trainers",
+    "ProposalConfig": "trl_ext.trainers",
+    "ProposalTrainer": "trl_ext.trainers",
+    "LexicalReward": "trl_ext.rewards",
+    "RewardShaping": "trl_ext.rewards",
+    "bad_output_probability": "trl_ext.eval",
 }
 
 

@@ -29,17 +29,21 @@ from torch import nn
 from ..models.lora import is_peft_model
 
 __all__ = [
+    "PROPOSAL_DIR",
     "ROLLOUT_STATE_PATTERN",
     "VALUE_MODEL_DIR",
     "is_complete_checkpoint",
     "last_complete_checkpoint",
+    "load_policy_and_proposal",
     "load_policy_and_value",
+    "save_policy_and_proposal",
     "save_policy_and_value",
 ]
 
 logger = logging.getLogger(__name__)
 
 VALUE_MODEL_DIR = "value_model"
+PROPOSAL_DIR = "proposal"
 TRAINER_STATE_NAME = "trainer_state.json"
 ROLLOUT_STATE_PATTERN = "ppo_rollout_state-rank{rank}.pt"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -167,3 +171,62 @@ def last_complete_checkpoint(output_dir: str) -> str | None:
             return path
         logger.warning("Skipping %s: it has no %s (an interrupted save).", path, TRAINER_STATE_NAME)
     return None
+
+
+# ------------------------------------------------------------------------------------ RePULSe: policy + proposal
+def save_policy_and_proposal(
+    policy: nn.Module,
+    proposal: nn.Module | None,
+    output_dir: str,
+    *,
+    state_dict: dict | None = None,
+    processing_class=None,
+    extra_files: dict[str, object] | None = None,
+) -> None:
+    """Write the policy to ``output_dir`` and the proposal to ``output_dir/proposal`` (the harmlessness trainer's
+    layout; the same staged, rename-into-place writes as :func:`save_policy_and_value`).
+
+    Args:
+        policy: the policy (a `PreTrainedModel`, or a `PeftModel`, which saves its adapter).
+        proposal: the proposal or ``None``.
+        output_dir: target folder (created if needed).
+        state_dict: optional full state dict of the `HarmlessnessModels` wrapper (keys ``policy.*`` /
+            ``proposal.*``), e.g. gathered from DeepSpeed or FSDP.
+        processing_class: tokenizer / processor saved next to the policy (and the proposal).
+        extra_files: ``{file name: object}`` saved with ``torch.save`` in the root.
+    """
+    os.makedirs(output_dir, exist_ok=True)
+    stage = tempfile.mkdtemp(prefix=".repulse-save-", dir=output_dir)
+    try:
+        policy_state = _split_state_dict(state_dict, "policy.")
+        policy.save_pretrained(stage, **({"state_dict": policy_state} if policy_state is not None else {}))
+        if proposal is not None:
+            proposal_state = _split_state_dict(state_dict, "proposal.")
+            proposal_dir = os.path.join(stage, PROPOSAL_DIR)
+            proposal.save_pretrained(proposal_dir, **({"state_dict": proposal_state} if proposal_state else {}))
+            if processing_class is not None:
+                processing_class.save_pretrained(proposal_dir)
+        if processing_class is not None:
+            processing_class.save_pretrained(stage)
+        for name, obj in (extra_files or {}).items():
+            torch.save(obj, os.path.join(stage, name))
+        _move_into(stage, output_dir)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    logger.info("Saved the policy to %s%s.", output_dir, f" and the proposal to {PROPOSAL_DIR}/" if proposal else "")
+
+
+def load_policy_and_proposal(policy: nn.Module, proposal: nn.Module | None, checkpoint_dir: str) -> None:
+    """Restore the policy and the proposal (full weights, or LoRA adapters under PEFT) saved by
+    :func:`save_policy_and_proposal` in ``checkpoint_dir``."""
+    load_policy_and_value(policy, None, checkpoint_dir)
+    if proposal is None:
+        return
+    path = os.path.join(checkpoint_dir, PROPOSAL_DIR)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"{checkpoint_dir} has no {PROPOSAL_DIR}/ folder: it was not written by trl_ext's HarmlessnessTrainer "
+            "with a proposal model, so the proposal cannot be restored."
+        )
+    load_policy_and_value(proposal, None, path)
+    logger.info("Restored the proposal from %s.", path)

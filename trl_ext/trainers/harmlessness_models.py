@@ -1,0 +1,229 @@
+"""`HarmlessnessModels`: the one module `transformers.Trainer` trains in RePULSe — the policy and the proposal.
+
+Holding ``p_θ`` and ``q_ξ`` in one ``nn.Module`` gives one optimizer (a parameter group per model, each with its own
+learning rate), one scheduler, one DDP/DeepSpeed wrapper and one place where checkpoints come from. Which of the two
+answers ``forward`` is chosen with :meth:`HarmlessnessModels.acting_as`, so that code written for a single causal LM
+(the shared rollout, :func:`~trl_ext.trainers.rollout.forward_response`, the twist step) runs either model through
+the wrapped module (a DDP or DeepSpeed engine sees every forward pass).
+
+:func:`build_harmlessness_models` checks the user's models and makes the missing ones: the proposal defaults to a
+copy of the initial policy and the frozen reference ``p_0`` to another copy, or — under PEFT — to the policy with its
+adapters disabled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from ..models.lora import is_peft_model, reference_is_base_with_adapters_disabled
+from .rollout import ReferencePolicy, supports_logits_to_keep
+
+__all__ = ["HarmlessnessModels", "build_harmlessness_models", "parameter_groups"]
+
+logger = logging.getLogger(__name__)
+
+PARTS: tuple[str, ...] = ("policy", "proposal")
+
+
+class HarmlessnessModels(nn.Module):
+    """The policy ``p_θ`` and the proposal ``q_ξ`` (``None`` when no proposal model is trained) as one module.
+
+    ``forward`` runs the *acting* model (the policy unless inside :meth:`acting_as`) with the causal-LM arguments
+    the trainers use and returns its output unchanged.
+    """
+
+    def __init__(self, policy: nn.Module, proposal: nn.Module | None = None):
+        super().__init__()
+        self.policy = policy
+        self.proposal = proposal
+        self.acting = "policy"
+        parts = [m for m in (policy, proposal) if m is not None]
+        self.supports_logits_to_keep = all(supports_logits_to_keep(m) for m in parts)
+
+    @property
+    def config(self):
+        """The policy's config (what `Trainer` and model cards read)."""
+        return self.policy.config
+
+    def part(self, name: str) -> nn.Module:
+        if name not in PARTS:
+            raise ValueError(f"Unknown part {name!r}; choose one of {PARTS}.")
+        module = getattr(self, name)
+        if module is None:
+            raise ValueError(f"There is no {name} model (no proposal is trained with these settings).")
+        return module
+
+    def acting_model(self) -> nn.Module:
+        """The model ``forward`` runs now."""
+        return self.part(self.acting)
+
+    @contextlib.contextmanager
+    def acting_as(self, name: str) -> Iterator[nn.Module]:
+        """Context in which ``forward`` runs the ``"policy"`` or the ``"proposal"``; yields that model."""
+        module = self.part(name)
+        previous, self.acting = self.acting, name
+        try:
+            yield module
+        finally:
+            self.acting = previous
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        use_cache: bool = False,
+        logits_to_keep: int = 0,
+    ):
+        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        kwargs["use_cache"] = use_cache
+        if logits_to_keep and self.supports_logits_to_keep:
+            kwargs["logits_to_keep"] = logits_to_keep
+        out = self.acting_model()(**kwargs)
+        if logits_to_keep and not self.supports_logits_to_keep:
+            out.logits = out.logits[:, -logits_to_keep:]
+        return out
+
+    # ---------------------------------------------------------------------------- activation checkpointing
+    def _parts(self) -> list[nn.Module]:
+        return [
+            m for m in (self.policy, self.proposal) if m is not None and hasattr(m, "activation_checkpointing_enable")
+        ]
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        return any(getattr(m, "is_activation_checkpointing", False) for m in self._parts())
+
+    is_gradient_checkpointing = is_activation_checkpointing  # the name trl.models.unwrap_model_for_generation reads
+
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, **kwargs) -> None:
+        for part in self._parts():
+            part.activation_checkpointing_enable(activation_checkpointing_kwargs, **kwargs)
+
+    def activation_checkpointing_disable(self) -> None:
+        for part in self._parts():
+            part.activation_checkpointing_disable()
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs) -> None:
+        """Alias of :meth:`activation_checkpointing_enable` (the name TRL's generation helper calls)."""
+        self.activation_checkpointing_enable(activation_checkpointing_kwargs=gradient_checkpointing_kwargs, **kwargs)
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.activation_checkpointing_disable()
+
+
+def _shares_parameters(a: nn.Module, b: nn.Module) -> bool:
+    return bool({id(p) for p in a.parameters()} & {id(p) for p in b.parameters()})
+
+
+def _vocab_size(model: nn.Module) -> int | None:
+    embeddings = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(embeddings, "weight", None)
+    return int(weight.shape[0]) if weight is not None else getattr(getattr(model, "config", None), "vocab_size", None)
+
+
+def _apply_peft(model: nn.Module, peft_config, what: str) -> nn.Module:
+    from peft import PeftConfig, get_peft_model
+
+    if not isinstance(peft_config, PeftConfig):
+        raise TypeError(f"peft_config must be a peft.PeftConfig (e.g. LoraConfig), got {type(peft_config)}.")
+    if is_peft_model(model):
+        raise ValueError(
+            f"The {what} is already a PeftModel and a peft_config was passed: merge and unload the existing adapter "
+            "first (model.merge_and_unload()), or pass the PeftModel without peft_config."
+        )
+    return get_peft_model(model, copy.deepcopy(peft_config))
+
+
+def build_harmlessness_models(
+    args, model: nn.Module, proposal_model: nn.Module | None, ref_model: nn.Module | None, peft_config
+) -> tuple[nn.Module, nn.Module | None, ReferencePolicy]:
+    """Check the user's models and return ``(policy, proposal, reference)``.
+
+    - ``proposal``: ``proposal_model``, else a copy of the initial ``model``; ``None`` when the settings use no
+      proposal model (``loss_type="reinforce"`` or ``use_base_as_proposal=True``; a given ``proposal_model`` is then
+      ignored with a warning).
+    - ``reference`` (``p_0``): ``ref_model`` (frozen), else under PEFT the policy with its adapters disabled, else a
+      frozen copy of the initial ``model``; which one is logged.
+    - With ``peft_config``, adapters are added to the policy and to the proposal (each gets its own copy of the
+      config; the proposal's base weights are a separate frozen copy).
+    """
+    if proposal_model is not None and proposal_model is model:
+        raise ValueError(
+            "`model` and `proposal_model` cannot be the same object: the proposal is trained separately. Pass a "
+            "separate copy, or proposal_model=None for a copy of the initial model."
+        )
+    if ref_model is not None and (ref_model is model or ref_model is proposal_model):
+        raise ValueError(
+            "`ref_model` cannot be `model` or `proposal_model`: the reference must stay frozen. Pass a separate copy, "
+            "or ref_model=None for a frozen copy of the initial model (under LoRA: the base with adapters disabled)."
+        )
+    if proposal_model is not None and not args.uses_proposal_model:
+        logger.warning(
+            "loss_type=%r with use_base_as_proposal=%s trains no proposal: the proposal_model passed is ignored.",
+            args.loss_type,
+            args.use_base_as_proposal,
+        )
+        proposal_model = None
+    policy = model
+    proposal = proposal_model
+    if args.uses_proposal_model and proposal is None:
+        proposal = copy.deepcopy(policy)  # before any adapter is added: PEFT injects into the model in place
+        logger.info("No proposal_model given: the proposal starts as a copy of the initial policy.")
+    if ref_model is None and peft_config is None and not is_peft_model(policy):
+        ref_model = copy.deepcopy(policy)
+        logger.info("No ref_model given: the reference p_0 is a frozen copy of the initial policy.")
+    if peft_config is not None:
+        policy = _apply_peft(policy, peft_config, "model")
+        if proposal is not None and not is_peft_model(proposal):
+            proposal = _apply_peft(proposal, peft_config, "proposal_model")
+    if proposal is not None:
+        if _shares_parameters(proposal, policy):
+            raise ValueError("proposal_model shares parameters with model: pass a separate copy.")
+        if _vocab_size(proposal) != _vocab_size(policy):
+            raise ValueError(
+                f"The proposal's vocabulary ({_vocab_size(proposal)} tokens) differs from the policy's "
+                f"({_vocab_size(policy)}): both must use the same tokenizer, since each scores the other's samples."
+            )
+    if ref_model is not None and _shares_parameters(ref_model, policy):
+        raise ValueError("ref_model shares parameters with model: the reference must be a separate frozen copy.")
+    if ref_model is None:
+        reference_is_base_with_adapters_disabled(policy, None)
+        reference = ReferencePolicy()
+    else:
+        ref_model.requires_grad_(False).eval()
+        reference = ReferencePolicy(ref_model)
+    logger.info("RePULSe reference policy p_0: %s.", reference.describe())
+    return policy, proposal, reference
+
+
+def parameter_groups(
+    wrapper: HarmlessnessModels, decay_names: set[str], learning_rates: dict[str, float], weight_decay: float
+) -> list[dict]:
+    """Optimizer parameter groups: per model (``"part"``: ``"policy"``/``"proposal"``, with its learning rate) and
+    per weight-decay class (``decay_names``: parameter names relative to ``wrapper`` that get ``weight_decay``).
+    Frozen parameters are left out."""
+    groups = []
+    for part in PARTS:
+        module = getattr(wrapper, part)
+        if module is None:
+            continue
+        named = [(f"{part}.{n}", p) for n, p in module.named_parameters() if p.requires_grad]
+        for decayed in (True, False):
+            params = [p for n, p in named if (n in decay_names) == decayed]
+            if params:
+                groups.append(
+                    {
+                        "params": params,
+                        "lr": learning_rates[part],
+                        "weight_decay": weight_decay if decayed else 0.0,
+                        "part": part,
+                    }
+                )
+    return groups

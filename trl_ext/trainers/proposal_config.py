@@ -1,0 +1,311 @@
+"""`ProposalConfig`: options of [`~trl_ext.ProposalTrainer`], which learns a proposal ``q`` towards
+``σ(s) ∝ p_ref(s)·exp(β·R(s))`` (twist learning, ALGORITHMS.md §3–§4, §6.2)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from trl.trainer.base_config import _BaseConfig
+
+from ..losses import AGGREGATIONS, available_losses
+from ..models.twist import TWIST_PARAMETERIZATIONS
+from ..rewards import RM_TYPES, RewardShaping
+from .twist_step import validate_twist_setup
+
+__all__ = ["ProposalConfig"]
+
+logger = logging.getLogger(__name__)
+
+
+def _has_accelerator() -> bool:
+    import torch
+
+    xpu = getattr(torch, "xpu", None)
+    return torch.cuda.is_available() or bool(xpu is not None and xpu.is_available())
+
+
+@dataclass
+class ProposalConfig(_BaseConfig):
+    r"""
+    Configuration class for [`~trl_ext.ProposalTrainer`].
+
+    The trainer learns a proposal ``q`` (a causal LM, or a modulation of the reference) towards the twisted target
+    ``σ(s) ∝ p_ref(s)·exp(β·R(s))``, where ``p_ref`` is the frozen reference model, ``R`` the mapped reward
+    (``rm_type``) and ``β = target_dist_beta``. Each `Trainer` micro-step samples `num_samples_per_prompt`
+    responses from ``q`` for each of `per_device_train_batch_size` prompts and takes a twist loss (``loss_type``)
+    on them; gradients accumulate over `gradient_accumulation_steps` micro-steps as usual. For the generic training
+    arguments see [`~transformers.TrainingArguments`].
+
+    Parameters:
+        > Parameters that control the proposal and its loss
+
+        parameterization (`str`, *optional*, defaults to `"policy_psi_q_p_s_t"`):
+            How the twist ``log ψ_t`` is read off ``q``: `"policy_psi_q_p_s_t"` (``log q − log p_ref`` per token, all
+            paper runs), `"policy_psi_q_p_s_1_to_t"` (its prefix sum), `"policy_psi_unnorm"` (raw ``q`` logit minus
+            ``log p_ref``), or `"modulation_model"`, `"modulation_linear_head"`, `"modulation_nn_head"` /
+            `"modulation_mlp_head"` (``q ∝ p_ref·exp(m)``; a plain model passed to the trainer is wrapped in a
+            [`~trl_ext.models.ModulatedCausalLM`] of that kind).
+        loss_type (`str`, *optional*, defaults to `"ctl"`):
+            A twist loss of the registry: `"ctl"`, `"ctl_no_second_term"`, `"sixo"` (exact: also samples the
+            reference), `"sixo_approx"`, `"dpg"`, or one registered with `trl_ext.register_loss(name, kind="twist")`.
+        loss_aggregation (`str`, *optional*, defaults to `"seq-mean-token-mean"`):
+            Reduction of the per-token loss: `"seq-mean-token-mean"` (the original code's), `"seq-mean-token-sum"`
+            or `"token-mean"` (token mean of each micro-step's rollout).
+        modulation_init_scale_divider (`float`, *optional*, defaults to `1.0`):
+            When the trainer builds the modulation: its last layer starts as ``xavier_normal / divider``.
+        modulation_init_head_from_base (`bool`, *optional*, defaults to `False`):
+            When the trainer builds a `model`/`linear_head` modulation: start its output layer from the reference's
+            LM head (divided by the divider).
+
+        > Parameters that control the target
+
+        target_dist_beta (`float`, *optional*, defaults to `-10.0`):
+            β of ``σ ∝ p_ref·exp(β·R)``. With `rm_type="rlhf"` (higher reward = better), **β < 0** puts the target
+            on the reference's low-reward (bad) outputs — the RePULSe setting (paper: −1 … −30); β > 0 on the
+            high-reward ones; β = 0 gives ``σ = p_ref``.
+        rm_type (`str`, *optional*, defaults to `"rlhf"`):
+            Raw score ``r`` → ``R``: `"rlhf"` (``min(r, reward_cap)``), `"indicator_below_threshold"`
+            (``log(1[r < reward_threshold] + 1e-16)``, needs β > 0, usually 1) or `"toxicity_class_logprob"`
+            (``−softplus(r)``).
+        reward_cap (`float`, *optional*):
+            Cap of `"rlhf"` rewards (`None`: none).
+        reward_threshold (`float`, *optional*):
+            Threshold of `"indicator_below_threshold"`.
+        missing_eos_penalty (`float`, *optional*):
+            Subtracted from the raw score of responses without a stop token (before the map). Must be >= 0.
+
+        > Parameters that control generation
+
+        num_samples_per_prompt (`int`, *optional*, defaults to `4`):
+            ``N`` responses per prompt; the σ-weights are normalised over them, so it must be at least 2.
+        response_length (`int`, *optional*, defaults to `20`):
+            Maximum number of new tokens per response.
+        temperature (`float`, *optional*, defaults to `1.0`):
+            Sampling temperature of ``q`` (log-probs use the same one). The target is defined at temperature 1, so
+            keep 1.0 (pure ancestral sampling, as in the paper) unless you know why not.
+        stop_token (`str`, *optional*):
+            `"eos"` ends responses at the tokenizer's eos token; mutually exclusive with `stop_token_id`.
+        stop_token_id (`int`, *optional*):
+            Id of the stop token.
+        local_rollout_forward_batch_size (`int`, *optional*, defaults to `64`):
+            Rows per generation call and per no-grad scoring pass.
+        ds3_gather_for_generation (`bool`, *optional*, defaults to `True`):
+            Under ZeRO-3, gather the weights once per generation call.
+
+        > Parameters that control the data and the run length
+
+        dataset_num_proc (`int`, *optional*):
+            Processes used to tokenise the prompts.
+        total_episodes (`int`, *optional*):
+            Total number of sampled responses; sets `max_steps` to ``ceil(total_episodes / (per_device_train_batch_size
+            × num_samples_per_prompt × gradient_accumulation_steps × world_size))`` when `max_steps` is not set.
+        num_sample_generations (`int`, *optional*, defaults to `0`):
+            Number of sample tables (responses of ``q`` on `eval_dataset`) printed during training (`0`: none).
+
+    > [!NOTE]
+    > Defaults that differ from [`~transformers.TrainingArguments`]: `learning_rate=3e-5`, `logging_steps=10`,
+    > activation checkpointing on, and `bf16` on when `fp16` is off and a GPU is present (off on a CPU-only machine).
+    > `per_device_train_batch_size` counts **prompts**: a micro-step samples `per_device_train_batch_size ×
+    > num_samples_per_prompt` responses.
+    """
+
+    # ------------------------------------------------------------------------------------- TrainingArguments
+    learning_rate: float = field(default=3e-5, metadata={"help": "Learning rate of the proposal (AdamW by default)."})
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Deprecated alias of `activation_checkpointing`. Activation checkpointing is on by default (as "
+            "in TRL's configs): set either to False to turn it off."
+        },
+    )
+
+    # ------------------------------------------------------------------------------------ proposal & loss
+    parameterization: str = field(
+        default="policy_psi_q_p_s_t",
+        metadata={
+            "help": "Twist parameterisation: 'policy_psi_q_p_s_t' (log q - log p_ref per token), "
+            "'policy_psi_q_p_s_1_to_t', 'policy_psi_unnorm', 'modulation_model', 'modulation_linear_head', "
+            "'modulation_nn_head' / 'modulation_mlp_head' (q ∝ p_ref·exp(m); a plain model is wrapped)."
+        },
+    )
+    loss_type: str = field(
+        default="ctl",
+        metadata={
+            "help": "Twist loss: 'ctl', 'ctl_no_second_term', 'sixo' (exact, samples the reference too), "
+            "'sixo_approx', 'dpg', or a loss registered with kind 'twist'."
+        },
+    )
+    loss_aggregation: Literal["seq-mean-token-mean", "seq-mean-token-sum", "token-mean"] = field(
+        default="seq-mean-token-mean",
+        metadata={
+            "help": "Reduction of per-token losses: 'seq-mean-token-mean' (the original's), 'seq-mean-token-sum' or "
+            "'token-mean' (within each micro-step's rollout)."
+        },
+    )
+    modulation_init_scale_divider: float = field(
+        default=1.0,
+        metadata={"help": "When the trainer builds the modulation: last layer starts as xavier_normal / divider."},
+    )
+    modulation_init_head_from_base: bool = field(
+        default=False,
+        metadata={"help": "When the trainer builds a model/linear_head modulation: start it from the base LM head."},
+    )
+
+    # -------------------------------------------------------------------------------------------- target
+    target_dist_beta: float = field(
+        default=-10.0,
+        metadata={
+            "help": "beta of the target sigma ∝ p_ref·exp(beta·R). With rm_type='rlhf' (higher = better), beta < 0 "
+            "targets the reference's low-reward (bad) outputs (RePULSe; the paper uses -1 ... -30), beta > 0 the "
+            "high-reward ones, beta = 0 gives sigma = p_ref."
+        },
+    )
+    rm_type: str = field(
+        default="rlhf",
+        metadata={
+            "help": "Raw score -> R: 'rlhf' (min(r, reward_cap)), 'indicator_below_threshold' "
+            "(log(1[r < reward_threshold] + 1e-16); needs beta > 0) or 'toxicity_class_logprob' (-softplus(r))."
+        },
+    )
+    reward_cap: float | None = field(default=None, metadata={"help": "Cap of R for rm_type='rlhf' (None: none)."})
+    reward_threshold: float | None = field(
+        default=None, metadata={"help": "Threshold of rm_type='indicator_below_threshold'."}
+    )
+    missing_eos_penalty: float | None = field(
+        default=None,
+        metadata={"help": "Subtracted from the raw score of responses without a stop token (>= 0; None: off)."},
+    )
+
+    # ---------------------------------------------------------------------------------------- generation
+    num_samples_per_prompt: int = field(
+        default=4,
+        metadata={"help": "Responses N per prompt (>= 2: the sigma-weights are normalised over the N samples)."},
+    )
+    response_length: int = field(default=20, metadata={"help": "Maximum number of new tokens per response."})
+    temperature: float = field(
+        default=1.0,
+        metadata={"help": "Sampling temperature of q (1.0: pure ancestral sampling, as the target assumes)."},
+    )
+    stop_token: Literal["eos"] | None = field(
+        default=None,
+        metadata={"help": "'eos' stops responses at the tokenizer's eos token; exclusive with stop_token_id."},
+    )
+    stop_token_id: int | None = field(default=None, metadata={"help": "Id of the stop token."})
+    local_rollout_forward_batch_size: int = field(
+        default=64, metadata={"help": "Rows per generation call and per no-grad scoring pass."}
+    )
+    ds3_gather_for_generation: bool = field(
+        default=True, metadata={"help": "Under DeepSpeed ZeRO-3, gather the weights once per generation call."}
+    )
+
+    # ---------------------------------------------------------------------------------------- data & length
+    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes used to tokenise the prompts."})
+    total_episodes: int | None = field(
+        default=None,
+        metadata={
+            "help": "Total number of sampled responses; sets max_steps when max_steps is not set (None: "
+            "num_train_epochs passes over the prompts)."
+        },
+    )
+    num_sample_generations: int = field(
+        default=0,
+        metadata={"help": "Number of sample tables of q's responses on eval_dataset during training (0: none)."},
+    )
+    push_to_hub: bool = field(default=False, metadata={"help": "Whether to push the proposal to the Hub."})
+
+    def __post_init__(self):
+        if self.bf16 is None and not self.fp16 and (self.use_cpu or not _has_accelerator()):
+            self.bf16 = False
+            logger.info("ProposalConfig: no GPU found (or use_cpu=True): bf16 defaults to False.")
+        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
+            self.activation_checkpointing = True  # TRL's configs default to checkpointing on
+        self._validate()
+        super().__post_init__()
+
+    # ------------------------------------------------------------------------------------------- checks
+    def _validate(self) -> None:
+        def fail(message: str) -> None:
+            raise ValueError(f"ProposalConfig: {message}")
+
+        if self.num_samples_per_prompt < 2:
+            fail(
+                f"num_samples_per_prompt={self.num_samples_per_prompt}: twist losses normalise importance weights "
+                "over the samples of each prompt, which carry no signal with a single sample; set it to at least 2."
+            )
+        if self.response_length < 1:
+            fail(f"response_length={self.response_length}: set response_length >= 1.")
+        if not self.temperature > 0:
+            fail(f"temperature={self.temperature}: set temperature > 0.")
+        if self.stop_token is not None and self.stop_token_id is not None:
+            fail("both stop_token and stop_token_id are set; set only one.")
+        if self.stop_token not in (None, "eos"):
+            fail(f"unknown stop_token {self.stop_token!r}; allowed: 'eos' or None (use stop_token_id for an id).")
+        if self.local_rollout_forward_batch_size < 1:
+            fail(f"local_rollout_forward_batch_size={self.local_rollout_forward_batch_size}: set it to at least 1.")
+        if self.missing_eos_penalty is not None and self.missing_eos_penalty < 0:
+            fail(f"missing_eos_penalty={self.missing_eos_penalty} must be >= 0 (it is subtracted from the score).")
+        if self.loss_aggregation not in AGGREGATIONS:
+            fail(f"unknown loss_aggregation {self.loss_aggregation!r}; choose one of {', '.join(AGGREGATIONS)}.")
+        if self.parameterization not in TWIST_PARAMETERIZATIONS:
+            fail(
+                f"unknown parameterization {self.parameterization!r}; choose one of "
+                f"{', '.join(TWIST_PARAMETERIZATIONS)}."
+            )
+        if self.loss_type not in available_losses("twist"):
+            fail(
+                f"unknown loss_type {self.loss_type!r}: use a loss registered with kind 'twist' (registered: "
+                f"{', '.join(available_losses('twist'))}). Register custom losses with "
+                "trl_ext.register_loss(name, kind='twist') before building the config."
+            )
+        try:
+            validate_twist_setup(self.parameterization, self.loss_type)
+        except ValueError as err:
+            fail(str(err))
+        if not self.modulation_init_scale_divider > 0:
+            fail(f"modulation_init_scale_divider={self.modulation_init_scale_divider}: set a positive divider.")
+        if self.modulation_init_head_from_base and self.parameterization not in (
+            "modulation_model",
+            "modulation_linear_head",
+        ):
+            fail(
+                "modulation_init_head_from_base=True starts a Linear head on the base's final hidden state from the "
+                "base LM head, which only 'modulation_model' and 'modulation_linear_head' have; turn it off for "
+                f"parameterization={self.parameterization!r}."
+            )
+        if not math.isfinite(self.target_dist_beta):
+            fail(f"target_dist_beta={self.target_dist_beta} must be a finite number.")
+        if self.rm_type not in RM_TYPES:
+            fail(f"unknown rm_type {self.rm_type!r}; choose one of {', '.join(RM_TYPES)}.")
+        try:
+            self.reward_shaping()
+        except ValueError as err:
+            fail(f"{err} (In ProposalConfig, beta is `target_dist_beta` and threshold is `reward_threshold`.)")
+        if self.total_episodes is not None and self.total_episodes < 1:
+            fail(f"total_episodes={self.total_episodes}: set a positive number, or None.")
+        if self.num_sample_generations < 0:
+            fail(f"num_sample_generations={self.num_sample_generations}: set it >= 0 (0: no sample tables).")
+
+    # ------------------------------------------------------------------------------------------ derived
+    def reward_shaping(self) -> RewardShaping:
+        """The :class:`~trl_ext.rewards.RewardShaping` of the target: ``log φ = target_dist_beta · R``."""
+        return RewardShaping(
+            rm_type=self.rm_type,
+            reward_cap=self.reward_cap,
+            threshold=self.reward_threshold,
+            beta=self.target_dist_beta,
+        )
+
+    @property
+    def samples_per_step(self) -> int:
+        """Responses sampled per optimizer step over all processes."""
+        per_process = self.per_device_train_batch_size * self.num_samples_per_prompt * self.gradient_accumulation_steps
+        return per_process * self.world_size
+
+    def steps_for_episodes(self) -> int | None:
+        """``max_steps`` implied by `total_episodes` (``None`` when it is unset)."""
+        if self.total_episodes is None:
+            return None
+        return max(1, math.ceil(self.total_episodes / self.samples_per_step))
