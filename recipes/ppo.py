@@ -24,17 +24,15 @@ Options come from three dataclasses: TRL's `ScriptArguments` (dataset), trl_ext'
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
-from datasets import load_dataset
-from transformers import AutoTokenizer
-from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
+from trl import ModelConfig, ScriptArguments, get_peft_config
 
-from trl_ext.models import load_causal_lm, load_critic, load_reward_model
+from trl_ext import cli
+from trl_ext.models import load_critic, load_reward_model
 from trl_ext.trainers import PPOConfig, PPOTrainer
 
-_FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+load_prompts = cli.load_prompts  # kept as part of the recipe's interface
 
 
 @dataclass
@@ -47,44 +45,18 @@ class PPOScriptArguments(ScriptArguments):
     )
 
 
-def load_prompts(script_args: ScriptArguments):
-    """The dataset dict named by `--dataset_name`: a Hub id, a saved folder or a single local data file."""
-    name = script_args.dataset_name
-    if name is None:
-        raise ValueError("Pass --dataset_name: a Hub dataset id, a local folder or a .json/.jsonl/.csv/.parquet file.")
-    file_format = _FILE_FORMATS.get(os.path.splitext(name)[1].lower())
-    if file_format is not None and os.path.isfile(name):
-        return load_dataset(file_format, data_files={script_args.dataset_train_split: name})
-    return load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
-
-
 def main(script_args: PPOScriptArguments, training_args: PPOConfig, model_args: ModelConfig) -> None:
     """Load the models and the prompts, train (or resume), save the final policy and critic (pushed if asked)."""
     policy_path = model_args.model_name_or_path or training_args.sft_model_path
-    load_kwargs = {
-        "dtype": model_args.dtype,
-        "revision": model_args.model_revision,
-        "attn_implementation": model_args.attn_implementation,
-        "load_in_4bit": model_args.load_in_4bit,
-        "load_in_8bit": model_args.load_in_8bit,
-    }
-    tokenizer = AutoTokenizer.from_pretrained(policy_path, revision=model_args.model_revision, padding_side="left")
-    if tokenizer.pad_token is None:  # the trainer reads rewards at the last real token, also when pad == eos
-        tokenizer.pad_token = tokenizer.eos_token
-
+    tokenizer = cli.load_tokenizer(policy_path, model_args)
     peft_config = get_peft_config(model_args)
-    policy = load_causal_lm(policy_path, **load_kwargs)
-    ref_policy = None if peft_config is not None else load_causal_lm(policy_path, **load_kwargs)
+    policy, ref_policy = cli.load_policy_and_reference(policy_path, model_args, peft_config)
     reward_model, _ = load_reward_model(training_args.reward_model_path, dtype=model_args.dtype)
     value_model = None
     if not training_args.shared_actor_critic:
         critic_path = script_args.value_model_path or training_args.reward_model_path
         value_model = load_critic(critic_path, dtype=model_args.dtype)
-
-    dataset = load_prompts(script_args)
-    eval_dataset = None
-    if training_args.eval_strategy != "no" and script_args.dataset_test_split in dataset:
-        eval_dataset = dataset[script_args.dataset_test_split]
+    train_dataset, eval_dataset = cli.train_and_eval_splits(script_args, training_args)
 
     trainer = PPOTrainer(
         args=training_args,
@@ -93,27 +65,21 @@ def main(script_args: PPOScriptArguments, training_args: PPOConfig, model_args: 
         ref_model=ref_policy,
         reward_model=reward_model,
         value_model=value_model,
-        train_dataset=dataset[script_args.dataset_train_split],
+        train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         peft_config=peft_config,
     )
-    resume = training_args.resume_from_checkpoint
-    trainer.train(resume_from_checkpoint=True if resume in ("true", "True", "last") else resume)
-    trainer.save_model(training_args.output_dir)  # policy, critic (value_model/), tokenizer; pushes with --push_to_hub
-    processes = trainer.accelerator.num_processes
+    cli.train_and_save(trainer, training_args)  # policy, critic (value_model/), tokenizer; pushes with --push_to_hub
     trainer.accelerator.print(
         f"Trained {training_args.num_total_batches} PPO updates ({trainer.state.global_step} optimizer steps) on "
-        f"{processes} process{'es' * (processes > 1)}; policy saved to {training_args.output_dir}"
+        f"{cli.processes_text(trainer)}; policy saved to {training_args.output_dir}"
     )
 
 
-def make_parser() -> TrlParser:
+def make_parser():
     """The recipe's argument parser (`--config file.yaml` supported)."""
-    return TrlParser(
-        (PPOScriptArguments, PPOConfig, ModelConfig),
-        description="Train a policy with PPO (trl_ext.PPOTrainer).",
-        epilog="--config FILE.yaml reads options from a YAML file (keys are the option names above); flags given on "
-        "the command line override its values.",
+    return cli.make_parser(
+        (PPOScriptArguments, PPOConfig, ModelConfig), "Train a policy with PPO (trl_ext.PPOTrainer)."
     )
 
 

@@ -26,64 +26,33 @@ trl_ext's `ProposalConfig` (training) and TRL's `ModelConfig` (loading of q, LoR
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
-from datasets import load_dataset
-from transformers import AutoTokenizer
-from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
+from trl import ModelConfig, get_peft_config
 
+from trl_ext import cli
 from trl_ext.models import load_causal_lm, load_reward_model
 from trl_ext.models.twist import MODULATION_PARAMETERIZATIONS
-from trl_ext.rewards import LexicalReward
 from trl_ext.trainers import ProposalConfig, ProposalTrainer
 
-_FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+load_prompts = cli.load_prompts  # kept as part of the recipe's interface
 
 
 @dataclass
-class ProposalScriptArguments(ScriptArguments):
+class ProposalScriptArguments(cli.RewardScriptArguments):
     """TRL's dataset arguments plus the reward and the reference of the target."""
 
-    reward_model_path: str | None = field(
-        default=None,
-        metadata={"help": "Reward model (1-label sequence classifier; its own tokenizer scores the decoded text)."},
-    )
-    lexical_words: list[str] | None = field(
-        default=None,
-        metadata={"help": "Lexical reward instead of a model: a response containing one of these words is bad."},
-    )
-    lexical_present_reward: float = field(
-        default=-1.0, metadata={"help": "Raw reward of a response that contains one of `lexical_words`."}
-    )
-    lexical_absent_reward: float = field(default=0.0, metadata={"help": "Raw reward of any other response."})
     ref_model_path: str | None = field(
         default=None,
         metadata={"help": "p_ref of the target σ ∝ p_ref·exp(β·R). Default: the checkpoint of q (frozen copy)."},
     )
 
 
-def load_prompts(script_args: ScriptArguments):
-    """The dataset dict named by `--dataset_name`: a Hub id, a saved folder or a single local data file."""
-    name = script_args.dataset_name
-    if name is None:
-        raise ValueError("Pass --dataset_name: a Hub dataset id, a local folder or a .json/.jsonl/.csv/.parquet file.")
-    file_format = _FILE_FORMATS.get(os.path.splitext(name)[1].lower())
-    if file_format is not None and os.path.isfile(name):
-        return load_dataset(file_format, data_files={script_args.dataset_train_split: name})
-    return load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
-
-
 def build_reward(script_args: ProposalScriptArguments, dtype):
     """The reward of the target: a lexical word list or a reward model with its tokenizer (exactly one)."""
-    if (script_args.lexical_words is None) == (script_args.reward_model_path is None):
-        raise ValueError("Pass exactly one of --reward_model_path (a reward model) and --lexical_words (word list).")
-    if script_args.lexical_words is not None:
-        return LexicalReward(
-            words=script_args.lexical_words,
-            present_reward=script_args.lexical_present_reward,
-            absent_reward=script_args.lexical_absent_reward,
-        )
+    lexical = cli.lexical_reward(script_args)
+    if lexical is not None:
+        return lexical
     model, tokenizer = load_reward_model(script_args.reward_model_path, dtype=dtype)
     return model, tokenizer
 
@@ -93,28 +62,15 @@ def main(script_args: ProposalScriptArguments, training_args: ProposalConfig, mo
     path = model_args.model_name_or_path
     if path is None:
         raise ValueError("Pass --model_name_or_path: the checkpoint q starts from.")
-    load_kwargs = {
-        "dtype": model_args.dtype,
-        "revision": model_args.model_revision,
-        "attn_implementation": model_args.attn_implementation,
-        "load_in_4bit": model_args.load_in_4bit,
-        "load_in_8bit": model_args.load_in_8bit,
-    }
-    tokenizer = AutoTokenizer.from_pretrained(path, revision=model_args.model_revision, padding_side="left")
-    if tokenizer.pad_token is None:  # masks come from attention masks, so pad == eos is safe
-        tokenizer.pad_token = tokenizer.eos_token
-
+    tokenizer = cli.load_tokenizer(path, model_args)
     peft_config = get_peft_config(model_args)
+    load_kwargs = cli.model_load_kwargs(model_args)
     model = load_causal_lm(path, **load_kwargs)
     modulation = training_args.parameterization in MODULATION_PARAMETERIZATIONS
     ref_model = None
     if script_args.ref_model_path is not None or not (modulation or peft_config is not None):
         ref_model = load_causal_lm(script_args.ref_model_path or path, **load_kwargs)
-
-    dataset = load_prompts(script_args)
-    eval_dataset = None
-    if training_args.eval_strategy != "no" and script_args.dataset_test_split in dataset:
-        eval_dataset = dataset[script_args.dataset_test_split]
+    train_dataset, eval_dataset = cli.train_and_eval_splits(script_args, training_args)
 
     trainer = ProposalTrainer(
         args=training_args,
@@ -122,28 +78,22 @@ def main(script_args: ProposalScriptArguments, training_args: ProposalConfig, mo
         model=model,
         ref_model=ref_model,
         reward_model=build_reward(script_args, model_args.dtype),
-        train_dataset=dataset[script_args.dataset_train_split],
+        train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         peft_config=peft_config,
     )
-    resume = training_args.resume_from_checkpoint
-    trainer.train(resume_from_checkpoint=True if resume in ("true", "True", "last") else resume)
-    trainer.save_model(training_args.output_dir)  # q (a modulation saves only itself) and the tokenizer
-    processes = trainer.accelerator.num_processes
+    cli.train_and_save(trainer, training_args)  # q (a modulation saves only itself) and the tokenizer
     trainer.accelerator.print(
         f"Trained the proposal for {trainer.state.global_step} optimizer steps ({training_args.loss_type}, "
-        f"{training_args.parameterization}) on {processes} process{'es' * (processes > 1)}; saved to "
-        f"{training_args.output_dir}"
+        f"{training_args.parameterization}) on {cli.processes_text(trainer)}; saved to {training_args.output_dir}"
     )
 
 
-def make_parser() -> TrlParser:
+def make_parser():
     """The recipe's argument parser (`--config file.yaml` supported)."""
-    return TrlParser(
+    return cli.make_parser(
         (ProposalScriptArguments, ProposalConfig, ModelConfig),
-        description="Learn a proposal towards sigma ∝ p_ref·exp(beta·R) (trl_ext.ProposalTrainer).",
-        epilog="--config FILE.yaml reads options from a YAML file (keys are the option names above); flags given on "
-        "the command line override its values.",
+        "Learn a proposal towards sigma ∝ p_ref·exp(beta·R) (trl_ext.ProposalTrainer).",
     )
 
 

@@ -12,6 +12,7 @@ Fixtures (all offline, each build well under a second):
 - `tiny_prompt_dataset`, `tiny_conversational_prompt_dataset`, `tiny_preference_dataset`,
   `tiny_conversational_preference_dataset`, `tiny_unpaired_preference_dataset`, `tiny_prompt_completion_dataset`,
   `tiny_harmful_prompt_dataset`: small `datasets.Dataset`s (immutable, shared by the session).
+- `tiny_workdir`: a scratch folder after `python examples/build_tiny_inputs.py` (the recipes' example inputs).
 
 Every test also starts from seed 0 (`random`, `numpy`, `torch`), torch uses one thread (`TRL_EXT_TEST_THREADS`
 changes it), the Hugging Face libraries are told to stay offline, and the kit's default cache
@@ -202,3 +203,13 @@ def tiny_prompt_completion_dataset():
 def tiny_harmful_prompt_dataset():
     """16 copies of the toy harmful prompt "This man is a" (`prompt`)."""
     return kit.harmful_prompt_dataset()
+
+
+# ------------------------------------------------------------------------------------------------------- recipes
+@pytest.fixture
+def tiny_workdir(tmp_path):
+    """A scratch working folder after `python examples/build_tiny_inputs.py` (inputs in outputs/tiny/), the inputs of
+    the example YAMLs of the recipes."""
+    from online_helpers import build_tiny_inputs
+
+    return build_tiny_inputs(tmp_path)

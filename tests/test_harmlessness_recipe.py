@@ -7,47 +7,27 @@ GPUs) is only parsed.
 
 from __future__ import annotations
 
-import importlib.util
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from online_helpers import ACCELERATE_CONFIGS, EXAMPLES, RECIPES, accelerate_launch, loaded_script, run
 
-REPO = Path(__file__).resolve().parents[1]
-RECIPE = REPO / "recipes" / "harmlessness.py"
-EXAMPLES = REPO / "examples"
+RECIPE = RECIPES / "harmlessness.py"
 TOY_YAML = EXAMPLES / "harmlessness_toy.yaml"
 SMOLLM_YAML = EXAMPLES / "harmlessness_smollm.yaml"
 
 
-def load_script(path: Path):
-    """Import a script of the repository (not part of the package) as a module."""
-    spec = importlib.util.spec_from_file_location(f"_trl_ext_script_{path.parent.name}_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(spec.name, None)
-        raise
-    return module
-
-
 @pytest.fixture(scope="module")
 def recipe():
-    module = load_script(RECIPE)
-    yield module
-    sys.modules.pop(module.__name__, None)
+    yield from loaded_script(RECIPE)
 
 
 @pytest.fixture
-def tiny_workdir(tmp_path, monkeypatch) -> Path:
-    """A scratch working folder after `python examples/build_tiny_inputs.py` (inputs in outputs/tiny/)."""
-    load_script(EXAMPLES / "build_tiny_inputs.py").build(tmp_path / "outputs" / "tiny")
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
+def tiny_workdir(tiny_workdir, monkeypatch) -> Path:
+    """The shared tiny inputs, with the working directory moved there (the recipe runs in-process)."""
+    monkeypatch.chdir(tiny_workdir)
+    return tiny_workdir
 
 
 def test_help_lists_the_options(recipe):
@@ -115,11 +95,7 @@ def test_toy_yaml_trains_two_steps_and_saves_both_models(recipe, tiny_workdir):
 @pytest.mark.slow
 def test_toy_yaml_with_accelerate_launch(tiny_workdir):
     """The documented command, unchanged, in a subprocess (about 25 s on 2 CPU cores)."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "accelerate_configs" / "single_gpu.yaml"), "--mixed_precision", "no", str(RECIPE),
-           "--config", str(TOY_YAML)]  # fmt: skip
-    env = {**__import__("os").environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, cwd=tiny_workdir, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    launch = ["--config_file", str(ACCELERATE_CONFIGS / "single_gpu.yaml"), "--mixed_precision", "no"]
+    proc = run(accelerate_launch(*launch, str(RECIPE), "--config", str(TOY_YAML)), cwd=tiny_workdir, timeout=600)
     assert "Trained 4 neg_training steps on 1 process" in proc.stdout + proc.stderr
     assert (tiny_workdir / "outputs" / "harmlessness-tiny" / "proposal" / "model.safetensors").is_file()

@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 from datasets import Dataset
+from online_helpers import StopAt, logged
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
@@ -117,20 +118,6 @@ def snapshot(module) -> dict[str, torch.Tensor]:
 
 def changed(module, before: dict[str, torch.Tensor]) -> bool:
     return any(not torch.equal(p, before[n]) for n, p in module.named_parameters())
-
-
-def logged(trainer, key) -> list[float]:
-    return [h[key] for h in trainer.state.log_history if key in h]
-
-
-class StopAt(TrainerCallback):
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
-        return control
 
 
 # ---------------------------------------------------------------------------------------------- the main claim
@@ -493,6 +480,8 @@ def test_bad_inputs_fail_clearly(tmp_path, caplog):
         toy_trainer(args, proposal_model=other)
     with pytest.raises(ValueError, match="prompt"):
         toy_trainer(args, train_dataset=Dataset.from_dict({"text": ["w5 w6"]}))
+    with pytest.raises(ValueError, match="not a dict"):
+        toy_trainer(args, eval_dataset={"a": Dataset.from_dict({"input_ids": [PROMPT]})})
     with caplog.at_level(logging.WARNING):
         trainer = toy_trainer(toy_args(tmp_path, loss_type="reinforce"), proposal_model=toy_model(1))
     assert trainer.proposal is None and "ignored" in caplog.text

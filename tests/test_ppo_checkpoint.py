@@ -14,25 +14,14 @@ import shutil
 
 import pytest
 import torch
+from online_helpers import StopAt, logged
 from peft import LoraConfig, PeftModel
-from test_ppo_trainer import logged, make_trainer, ppo_args, snapshot
-from transformers import AutoModelForCausalLM, TrainerCallback
+from test_ppo_trainer import make_trainer, ppo_args, snapshot
+from transformers import AutoModelForCausalLM
 
 from trl_ext.trainers import forward_response
 
 COMPARED_METRICS = ("objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg", "policy/approxkl_avg")
-
-
-class StopAt(TrainerCallback):
-    """Ends training after ``step`` optimizer steps, as if the job had been killed right after that checkpoint."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
-        return control
 
 
 def assert_same_weights(a, b, atol=1e-6):
@@ -106,6 +95,27 @@ def test_resume_skips_an_incomplete_checkpoint(tmp_path, tiny_gpt_neox_dir, tiny
         resumed.train(resume_from_checkpoint=broken)
     resumed.train(resume_from_checkpoint=True)  # picks checkpoint-1
     assert resumed.state.global_step == 2 and logged(resumed, "episode") == [4, 8]  # history restored + step 2
+
+
+def test_resolve_resume_checkpoint(tmp_path):
+    """The rule every online trainer's `train(resume_from_checkpoint=...)` applies (`checkpoint.py`)."""
+    from trl_ext.trainers.checkpoint import resolve_resume_checkpoint
+
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="No complete checkpoint"):
+        resolve_resume_checkpoint(True, str(out))
+    for step, complete in ((2, True), (10, True), (11, False)):  # checkpoint-11: an interrupted save
+        folder = out / f"checkpoint-{step}"
+        folder.mkdir(parents=True)
+        if complete:
+            (folder / "trainer_state.json").write_text("{}")
+    # The newest complete one: 10 (ordered as a number, not as text), not the incomplete 11.
+    assert resolve_resume_checkpoint(True, str(out)) == str(out / "checkpoint-10")
+    assert resolve_resume_checkpoint(str(out / "checkpoint-2"), str(out)) == str(out / "checkpoint-2")
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        resolve_resume_checkpoint(str(out / "checkpoint-11"), str(out))
+    for fresh in (None, False, ""):
+        assert resolve_resume_checkpoint(fresh, str(out)) is None
 
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])

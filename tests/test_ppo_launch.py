@@ -15,15 +15,8 @@ import importlib.util
 import socket
 
 import pytest
-from test_ppo_recipe import (
-    ACCELERATE_CONFIGS,
-    accelerate_launch,
-    assert_trained_policy_saved,
-    recipe_command,
-    run,
-    tiny_workdir,  # noqa: F401  (fixture: the inputs of examples/ppo_tiny.yaml in a scratch folder)
-    trained_summary,
-)
+from online_helpers import ACCELERATE_CONFIGS, accelerate_launch, run
+from test_ppo_recipe import assert_trained_policy_saved, recipe_command, trained_summary
 
 
 def free_port() -> int:
@@ -44,7 +37,7 @@ def launch_two_cpu_processes(config: str, workdir):
     assert_trained_policy_saved(workdir / "outputs" / "ppo-tiny", workdir / "outputs" / "tiny" / "policy")
 
 
-def test_recipe_ddp_two_cpu_processes(tiny_workdir):  # noqa: F811
+def test_recipe_ddp_two_cpu_processes(tiny_workdir):
     launch_two_cpu_processes("multi_gpu.yaml", tiny_workdir)
 
 
@@ -55,6 +48,6 @@ def test_recipe_ddp_two_cpu_processes(tiny_workdir):  # noqa: F811
 @pytest.mark.parametrize(
     "config", ["deepspeed_zero2.yaml", pytest.param("deepspeed_zero3.yaml", marks=pytest.mark.slow)]
 )
-def test_recipe_deepspeed_two_cpu_processes(config, tiny_workdir):  # noqa: F811
+def test_recipe_deepspeed_two_cpu_processes(config, tiny_workdir):
     """ZeRO-2, and ZeRO-3 (`slow`), whose save gathers the sharded weights into one loadable checkpoint."""
     launch_two_cpu_processes(config, tiny_workdir)

@@ -8,68 +8,25 @@ examples/ppo_tiny.yaml` in a subprocess, and loads what it saved. Multi-process 
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from online_helpers import (
+    ACCELERATE_CONFIGS,
+    EXAMPLES,
+    RECIPES,
+    accelerate_launch,
+    assert_help_lists,
+    loaded_script,
+    run,
+)
 
 from trl_ext import testing as kit
 
-REPO = Path(__file__).resolve().parents[1]
-RECIPE = REPO / "recipes" / "ppo.py"
-EXAMPLES = REPO / "examples"
+RECIPE = RECIPES / "ppo.py"
 TINY_YAML = EXAMPLES / "ppo_tiny.yaml"
-ACCELERATE_CONFIGS = REPO / "accelerate_configs"
-
-# Until the PPO core lands, everything that imports the trainer is skipped (the config checks still run).
-
-
-def subprocess_env(**extra: str) -> dict[str, str]:
-    """Environment for recipe subprocesses: offline, quiet, one thread per process, this checkout importable."""
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "WANDB_MODE": "disabled",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
-    env.update(extra)
-    return env
-
-
-def accelerate_launch(*launch_args: str) -> list[str]:
-    """`accelerate launch <launch_args>` through this interpreter (no reliance on PATH or a user default config)."""
-    return [sys.executable, "-m", "accelerate.commands.launch", *launch_args]
-
-
-def run(cmd: list[str], cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run `cmd` in `cwd`; fail with the end of its output when it exits non-zero."""
-    proc = subprocess.run(cmd, cwd=cwd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
-    output = f"STDOUT:\n{proc.stdout[-5000:]}\nSTDERR:\n{proc.stderr[-8000:]}"
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{output}"
-    return proc
-
-
-def load_script(path: Path):
-    """Import a script of the repository (not part of the package) as a module."""
-    spec = importlib.util.spec_from_file_location(f"_trl_ext_script_{path.parent.name}_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(spec.name, None)
-        raise
-    return module
 
 
 def recipe_command(*extra: str) -> list[str]:
@@ -109,19 +66,10 @@ def prompts_file(tmp_path) -> Path:
     return path
 
 
-@pytest.fixture
-def tiny_workdir(tmp_path) -> Path:
-    """A scratch working folder after `python examples/build_tiny_inputs.py` (inputs in outputs/tiny/)."""
-    load_script(EXAMPLES / "build_tiny_inputs.py").build(tmp_path / "outputs" / "tiny")
-    return tmp_path
-
-
 @pytest.fixture(scope="module")
 def recipe_module():
     """`recipes/ppo.py` imported as a module."""
-    module = load_script(RECIPE)
-    yield module
-    sys.modules.pop(module.__name__, None)
+    yield from loaded_script(RECIPE)
 
 
 # ------------------------------------------------------------------------------------------------- accelerate yamls
@@ -195,19 +143,10 @@ def test_accelerate_configs_readme_covers_every_config():
 
 # ---------------------------------------------------------------------------------------------------------- recipe
 def test_recipe_help_lists_the_options():
-    proc = run([sys.executable, str(RECIPE), "--help"], timeout=120)
-    for option in (
-        "--config",
-        "--model_name_or_path",
-        "--sft_model_path",
-        "--reward_model_path",
-        "--value_model_path",
-        "--shared_actor_critic",
-        "--dataset_name",
-        "--use_peft",
-        "--num_ppo_epochs",
-    ):
-        assert option in proc.stdout, option
+    assert_help_lists(RECIPE, (
+        "--config", "--model_name_or_path", "--sft_model_path", "--reward_model_path", "--value_model_path",
+        "--shared_actor_critic", "--dataset_name", "--use_peft", "--num_ppo_epochs",
+    ))  # fmt: skip
 
 
 def test_recipe_yaml_values_are_overridden_by_flags(recipe_module, tmp_path):

@@ -14,6 +14,7 @@ import types
 import pytest
 import torch
 from datasets import Dataset
+from online_helpers import logged
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -64,10 +65,6 @@ def make_trainer(args, policy_dir, reward_dir, dataset, *, value=True, ref=True,
     )
     inputs.update(kwargs)
     return PPOTrainer(**inputs)
-
-
-def logged(trainer, key) -> list[float]:
-    return [h[key] for h in trainer.state.log_history if key in h]
 
 
 def snapshot(module) -> dict[str, torch.Tensor]:

@@ -8,88 +8,35 @@ examples/proposal_toy.yaml --max_steps 2` in a subprocess, and loads what it sav
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from online_helpers import (
+    ACCELERATE_CONFIGS,
+    EXAMPLES,
+    RECIPES,
+    accelerate_launch,
+    assert_help_lists,
+    loaded_script,
+    run,
+)
 
-REPO = Path(__file__).resolve().parents[1]
-RECIPE = REPO / "recipes" / "proposal.py"
-EXAMPLES = REPO / "examples"
+RECIPE = RECIPES / "proposal.py"
 TOY_YAML = EXAMPLES / "proposal_toy.yaml"
-SINGLE_PROCESS = REPO / "accelerate_configs" / "single_gpu.yaml"
-
-
-def subprocess_env() -> dict[str, str]:
-    """Offline, quiet, one thread, this checkout importable."""
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "WANDB_MODE": "disabled",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
-    return env
-
-
-def run(cmd: list[str], cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=cwd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, (
-        f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-5000:]}\nSTDERR:\n{proc.stderr[-8000:]}"
-    )
-    return proc
-
-
-def load_script(path: Path):
-    """Import a repository script (not part of the package) as a module."""
-    spec = importlib.util.spec_from_file_location(f"_trl_ext_script_{path.parent.name}_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(spec.name, None)
-        raise
-    return module
+SINGLE_PROCESS = ACCELERATE_CONFIGS / "single_gpu.yaml"
 
 
 @pytest.fixture(scope="module")
 def recipe_module():
-    module = load_script(RECIPE)
-    yield module
-    sys.modules.pop(module.__name__, None)
-
-
-@pytest.fixture
-def tiny_workdir(tmp_path) -> Path:
-    """A scratch working folder after `python examples/build_tiny_inputs.py` (inputs in outputs/tiny/)."""
-    load_script(EXAMPLES / "build_tiny_inputs.py").build(tmp_path / "outputs" / "tiny")
-    return tmp_path
+    yield from loaded_script(RECIPE)
 
 
 def test_recipe_help_lists_the_options():
-    proc = run([sys.executable, str(RECIPE), "--help"], timeout=120)
-    for option in (
-        "--config",
-        "--model_name_or_path",
-        "--ref_model_path",
-        "--reward_model_path",
-        "--lexical_words",
-        "--target_dist_beta",
-        "--parameterization",
-        "--loss_type",
-        "--num_samples_per_prompt",
-        "--use_peft",
-    ):
-        assert option in proc.stdout, option
+    assert_help_lists(RECIPE, (
+        "--config", "--model_name_or_path", "--ref_model_path", "--reward_model_path", "--lexical_words",
+        "--target_dist_beta", "--parameterization", "--loss_type", "--num_samples_per_prompt", "--use_peft",
+    ))  # fmt: skip
 
 
 def test_yaml_values_are_overridden_by_flags(recipe_module, tmp_path):
@@ -120,8 +67,8 @@ def test_recipe_trains_two_steps_with_accelerate_launch(tiny_workdir):
     from transformers import AutoModelForCausalLM
 
     launch = ["--config_file", str(SINGLE_PROCESS), "--mixed_precision", "no"]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch, str(RECIPE), "--config", str(TOY_YAML)]
-    proc = run([*cmd, "--max_steps", "2"], cwd=tiny_workdir)
+    cmd = accelerate_launch(*launch, str(RECIPE), "--config", str(TOY_YAML), "--max_steps", "2")
+    proc = run(cmd, cwd=tiny_workdir)
     assert "Trained the proposal for 2 optimizer steps (ctl, policy_psi_q_p_s_t) on 1 process" in proc.stdout
     outputs = tiny_workdir / "outputs"
     model, info = AutoModelForCausalLM.from_pretrained(outputs / "proposal-toy", output_loading_info=True)

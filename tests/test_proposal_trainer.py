@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 from datasets import Dataset
-from transformers import TrainerCallback
+from online_helpers import StopAt
 
 from trl_ext import testing as kit
 from trl_ext.models import ModulatedCausalLM
@@ -259,17 +259,6 @@ def test_total_episodes_sets_the_number_of_steps(tmp_path, tokenizer, prompts):
 
 
 # ------------------------------------------------------------------------------------- checkpoints & resume
-class StopAt(TrainerCallback):
-    """Stops training after optimizer step ``step`` (a "kill" after the checkpoint of that step is written)."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
-
-
 @pytest.mark.parametrize("parameterization", ["policy_psi_q_p_s_t", "modulation_linear_head"])
 def test_resume_matches_an_uninterrupted_run(tmp_path, tokenizer, prompts, parameterization):
     """A 3-step run stopped after its step-2 checkpoint and resumed by a new trainer == 3 straight steps: q's weights

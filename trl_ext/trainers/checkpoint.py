@@ -36,6 +36,7 @@ __all__ = [
     "last_complete_checkpoint",
     "load_policy_and_proposal",
     "load_policy_and_value",
+    "resolve_resume_checkpoint",
     "save_policy_and_proposal",
     "save_policy_and_value",
 ]
@@ -69,6 +70,43 @@ def _move_into(stage: str, target: str) -> None:
             os.replace(src, dst)
 
 
+def _save_pretrained(model: nn.Module, path: str, state_dict: dict | None) -> None:
+    model.save_pretrained(path, **({"state_dict": state_dict} if state_dict else {}))
+
+
+def _save_two_models(
+    policy: nn.Module,
+    second: nn.Module | None,
+    second_dir: str,
+    output_dir: str,
+    *,
+    state_dict: dict | None,
+    processing_class,
+    extra_files: dict[str, object] | None,
+    tokenizer_with_second: bool,
+    stage_prefix: str,
+) -> None:
+    """Stage the policy (root), ``second`` (``second_dir/``, with the tokenizer when ``tokenizer_with_second``), the
+    tokenizer and ``extra_files`` in a hidden folder of ``output_dir``, then rename them into place. A
+    ``state_dict`` of the wrapper (keys ``policy.*`` / ``<second_dir>.*``) replaces the models' own weights."""
+    os.makedirs(output_dir, exist_ok=True)
+    stage = tempfile.mkdtemp(prefix=stage_prefix, dir=output_dir)
+    try:
+        _save_pretrained(policy, stage, _split_state_dict(state_dict, "policy."))
+        if second is not None:
+            path = os.path.join(stage, second_dir)
+            _save_pretrained(second, path, _split_state_dict(state_dict, f"{second_dir}."))
+            if processing_class is not None and tokenizer_with_second:
+                processing_class.save_pretrained(path)
+        if processing_class is not None:
+            processing_class.save_pretrained(stage)
+        for name, obj in (extra_files or {}).items():
+            torch.save(obj, os.path.join(stage, name))
+        _move_into(stage, output_dir)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
 def save_policy_and_value(
     policy: nn.Module,
     value_model: nn.Module | None,
@@ -89,22 +127,10 @@ def save_policy_and_value(
         processing_class: tokenizer / processor saved next to the policy.
         extra_files: ``{file name: object}`` saved with ``torch.save`` in the root (e.g. the training arguments).
     """
-    os.makedirs(output_dir, exist_ok=True)
-    stage = tempfile.mkdtemp(prefix=".ppo-save-", dir=output_dir)
-    try:
-        policy_state = _split_state_dict(state_dict, "policy.")
-        policy.save_pretrained(stage, **({"state_dict": policy_state} if policy_state is not None else {}))
-        if value_model is not None:
-            value_state = _split_state_dict(state_dict, "value_model.")
-            value_dir = os.path.join(stage, VALUE_MODEL_DIR)
-            value_model.save_pretrained(value_dir, **({"state_dict": value_state} if value_state is not None else {}))
-        if processing_class is not None:
-            processing_class.save_pretrained(stage)
-        for name, obj in (extra_files or {}).items():
-            torch.save(obj, os.path.join(stage, name))
-        _move_into(stage, output_dir)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
+    _save_two_models(
+        policy, value_model, VALUE_MODEL_DIR, output_dir, state_dict=state_dict, processing_class=processing_class,
+        extra_files=extra_files, tokenizer_with_second=False, stage_prefix=".ppo-save-",
+    )  # fmt: skip
     logger.info(
         "Saved the policy to %s%s.", output_dir, f" and the value model to {VALUE_MODEL_DIR}/" if value_model else ""
     )
@@ -173,6 +199,30 @@ def last_complete_checkpoint(output_dir: str) -> str | None:
     return None
 
 
+def resolve_resume_checkpoint(resume_from_checkpoint: str | bool | None, output_dir: str) -> str | None:
+    """The checkpoint folder `Trainer.train` should resume from, or ``None`` for a fresh run.
+
+    ``True`` picks the newest *complete* checkpoint of ``output_dir`` (:func:`last_complete_checkpoint`); a path
+    must be a complete checkpoint; anything false (``None``, ``False``, ``""``) means no resume.
+
+    Raises:
+        ValueError: ``True`` and no complete checkpoint exists, or the path is not a complete checkpoint.
+    """
+    if resume_from_checkpoint is True:
+        path = last_complete_checkpoint(output_dir)
+        if path is None:
+            raise ValueError(f"No complete checkpoint (with {TRAINER_STATE_NAME}) in {output_dir}.")
+        return path
+    if not resume_from_checkpoint:
+        return None
+    if not is_complete_checkpoint(resume_from_checkpoint):
+        raise ValueError(
+            f"{resume_from_checkpoint} is not a complete checkpoint (no {TRAINER_STATE_NAME}; probably interrupted "
+            "while saving). Resume from an earlier one, or pass resume_from_checkpoint=True."
+        )
+    return resume_from_checkpoint
+
+
 # ------------------------------------------------------------------------------------ RePULSe: policy + proposal
 def save_policy_and_proposal(
     policy: nn.Module,
@@ -195,24 +245,10 @@ def save_policy_and_proposal(
         processing_class: tokenizer / processor saved next to the policy (and the proposal).
         extra_files: ``{file name: object}`` saved with ``torch.save`` in the root.
     """
-    os.makedirs(output_dir, exist_ok=True)
-    stage = tempfile.mkdtemp(prefix=".repulse-save-", dir=output_dir)
-    try:
-        policy_state = _split_state_dict(state_dict, "policy.")
-        policy.save_pretrained(stage, **({"state_dict": policy_state} if policy_state is not None else {}))
-        if proposal is not None:
-            proposal_state = _split_state_dict(state_dict, "proposal.")
-            proposal_dir = os.path.join(stage, PROPOSAL_DIR)
-            proposal.save_pretrained(proposal_dir, **({"state_dict": proposal_state} if proposal_state else {}))
-            if processing_class is not None:
-                processing_class.save_pretrained(proposal_dir)
-        if processing_class is not None:
-            processing_class.save_pretrained(stage)
-        for name, obj in (extra_files or {}).items():
-            torch.save(obj, os.path.join(stage, name))
-        _move_into(stage, output_dir)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
+    _save_two_models(
+        policy, proposal, PROPOSAL_DIR, output_dir, state_dict=state_dict, processing_class=processing_class,
+        extra_files=extra_files, tokenizer_with_second=True, stage_prefix=".repulse-save-",
+    )  # fmt: skip
     logger.info("Saved the policy to %s%s.", output_dir, f" and the proposal to {PROPOSAL_DIR}/" if proposal else "")
 
 

@@ -1,6 +1,6 @@
 """Prompt datasets for online trainers: validation, tokenisation, left-padded batches and the rollout sampler.
 
-Written once for every online trainer (PPO now, the proposal and harmlessness trainers later):
+Written once for every online trainer (PPO, the proposal and the harmlessness trainers):
 
 - :func:`prepare_prompt_dataset` accepts a ``prompt`` column (plain strings, or conversational message lists that
   get the tokenizer's chat template with the generation prompt) or a pre-tokenised ``input_ids`` column (TRL 1.12's

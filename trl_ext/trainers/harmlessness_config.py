@@ -2,39 +2,29 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
-from trl.trainer.base_config import _BaseConfig
-
-from ..losses import AGGREGATIONS, available_losses, get_loss_spec
+from ..losses import available_losses, get_loss_spec
 from ..losses.reinforce import ALPHA_CONVENTIONS, BASELINES
 from ..models.twist import MODULATION_PARAMETERIZATIONS, POLICY_PARAMETERIZATIONS
 from ..ops.kl import KL_ESTIMATORS
+from ..rewards import REWARD_TRANSFORMS, RM_TYPES
+from .online_config import TwistTargetConfig
 
 __all__ = ["HarmlessnessConfig", "ORDERS", "PROPOSAL_LOSS_TYPES", "REWARD_TRANSFORM_NAMES", "RM_TYPE_NAMES"]
-
-logger = logging.getLogger(__name__)
 
 #: When the proposal is updated relative to the policy within one step.
 ORDERS: tuple[str, ...] = ("q_then_p", "p_then_q")
 #: Twist losses that can train a proposal whose target base is the moving policy.
 PROPOSAL_LOSS_TYPES: tuple[str, ...] = ("ctl", "ctl_no_second_term", "ctl_nosecondterm", "dpg")
 # The names `trl_ext.rewards` accepts (checked here so that a typo fails when the config is built, not mid-run).
-RM_TYPE_NAMES: tuple[str, ...] = ("rlhf", "indicator_below_threshold", "toxicity_class_logprob")
-REWARD_TRANSFORM_NAMES: tuple[str, ...] = ("minus_alpha_exp_beta_r", "minus_alpha_indicator")
-
-
-def _has_accelerator() -> bool:
-    import torch
-
-    xpu = getattr(torch, "xpu", None)
-    return torch.cuda.is_available() or bool(xpu is not None and xpu.is_available())
+RM_TYPE_NAMES: tuple[str, ...] = RM_TYPES
+REWARD_TRANSFORM_NAMES: tuple[str, ...] = REWARD_TRANSFORMS
 
 
 @dataclass
-class HarmlessnessConfig(_BaseConfig):
+class HarmlessnessConfig(TwistTargetConfig):
     r"""
     Configuration class for [`~trl_ext.HarmlessnessTrainer`], the RePULSe training loop: a policy `p_θ` trained with
     REINFORCE plus a term that pushes down the probability of its own low-reward outputs, found by a learned proposal
@@ -185,13 +175,6 @@ class HarmlessnessConfig(_BaseConfig):
             "(and as many times by the proposal)."
         },
     )
-    gradient_checkpointing: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Deprecated alias of `activation_checkpointing`. Activation checkpointing is on by default (as "
-            "in TRL's configs): set either to False to turn it off."
-        },
-    )
 
     # ------------------------------------------------------------------------------------------------ losses
     loss_type: str = field(
@@ -210,13 +193,6 @@ class HarmlessnessConfig(_BaseConfig):
         metadata={
             "help": "Twist loss of the learned proposal: 'ctl', 'ctl_no_second_term' or 'dpg'; None: no learned "
             "proposal (then the negative losses need use_base_as_proposal=True)."
-        },
-    )
-    parameterization: str = field(
-        default="policy_psi_q_p_s_t",
-        metadata={
-            "help": "Twist parameterisation of the proposal: 'policy_psi_q_p_s_t', 'policy_psi_q_p_s_1_to_t' or "
-            "'policy_psi_unnorm'."
         },
     )
     alpha: float = field(default=0.1, metadata={"help": "Weight alpha >= 0 of the negative term."})
@@ -249,36 +225,11 @@ class HarmlessnessConfig(_BaseConfig):
         default=False,
         metadata={"help": "Multiply the sigma-weights by 1[exp(log phi) > 2e-16] (the original's indicator)."},
     )
-    loss_aggregation: Literal["seq-mean-token-mean", "seq-mean-token-sum", "token-mean"] = field(
-        default="seq-mean-token-mean",
-        metadata={
-            "help": "Reduction of per-token losses: 'seq-mean-token-mean' (the original's), 'seq-mean-token-sum' or "
-            "'token-mean'."
-        },
-    )
 
     # -------------------------------------------------------------------------------------- target, rewards
-    target_dist_beta: float = field(
-        default=-10.0,
-        metadata={
-            "help": "beta of the proposal's target sigma ∝ p·exp(beta·R). Negative beta targets low-reward (bad) "
-            "outputs; it must be < 0 whenever a proposal or sigma-weights are used."
-        },
-    )
     anneal_target_dist_beta: float | None = field(
         default=None,
         metadata={"help": "Start value of a log-spaced beta schedule ending at target_dist_beta (None: constant)."},
-    )
-    rm_type: str = field(
-        default="rlhf",
-        metadata={
-            "help": "Map raw reward -> R on the proposal side: 'rlhf' (min(r, reward_cap)), "
-            "'indicator_below_threshold' or 'toxicity_class_logprob'. The policy side always uses 'rlhf'."
-        },
-    )
-    reward_cap: float | None = field(default=None, metadata={"help": "Upper cap of R for rm_type='rlhf'."})
-    reward_threshold: float | None = field(
-        default=None, metadata={"help": "Threshold of rm_type='indicator_below_threshold'."}
     )
     reward_transform: str | None = field(
         default=None,
@@ -304,31 +255,6 @@ class HarmlessnessConfig(_BaseConfig):
     kl_estimator: Literal["k1", "k2", "k3"] = field(
         default="k1", metadata={"help": "Per-token KL estimator: 'k1' (the original's), 'k2' or 'k3'."}
     )
-    missing_eos_penalty: float | None = field(
-        default=None,
-        metadata={"help": "Subtracted from the raw reward of responses without a stop token; must be >= 0."},
-    )
-
-    # -------------------------------------------------------------------------------------------- generation
-    num_samples_per_prompt: int = field(
-        default=4,
-        metadata={"help": "Responses sampled per prompt by the policy (and as many by the proposal)."},
-    )
-    response_length: int = field(default=20, metadata={"help": "Maximum number of new tokens per response."})
-    temperature: float = field(
-        default=1.0, metadata={"help": "Sampling temperature; log-probs are computed at the same temperature."}
-    )
-    stop_token: Literal["eos"] | None = field(
-        default=None,
-        metadata={"help": "'eos' ends responses at the tokenizer's eos token; exclusive with stop_token_id."},
-    )
-    stop_token_id: int | None = field(default=None, metadata={"help": "Id of the stop token."})
-    local_rollout_forward_batch_size: int = field(
-        default=64, metadata={"help": "Rows per generation call and per no-grad scoring pass."}
-    )
-    ds3_gather_for_generation: bool = field(
-        default=True, metadata={"help": "Under DeepSpeed ZeRO-3, gather the weights once per generation call."}
-    )
 
     # -------------------------------------------------------------------------------------- schedule, models
     order: Literal["q_then_p", "p_then_q"] = field(
@@ -352,7 +278,6 @@ class HarmlessnessConfig(_BaseConfig):
     )
 
     # ---------------------------------------------------------------------------------------- data, logging
-    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes used to tokenise the prompts."})
     save_negdata: str | None = field(
         default=None,
         metadata={"help": "JSONL file collecting every sampled response whose raw reward < save_negdata_threshold."},
@@ -360,15 +285,6 @@ class HarmlessnessConfig(_BaseConfig):
     save_negdata_threshold: float = field(
         default=-5.0, metadata={"help": "Raw-reward threshold of save_negdata and of the logged p_bad."}
     )
-
-    def __post_init__(self):
-        if self.bf16 is None and not self.fp16 and (self.use_cpu or not _has_accelerator()):
-            self.bf16 = False
-            logger.info("HarmlessnessConfig: no GPU found (or use_cpu=True): bf16 defaults to False.")
-        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
-            self.activation_checkpointing = True
-        self._validate()
-        super().__post_init__()
 
     # ------------------------------------------------------------------------------------------- derived
     @property
@@ -387,28 +303,16 @@ class HarmlessnessConfig(_BaseConfig):
 
     # ------------------------------------------------------------------------------------------- checks
     def _validate(self) -> None:
-        def fail(message: str) -> None:
-            raise ValueError(f"HarmlessnessConfig: {message}")
-
+        super()._validate()
+        fail = self._fail
         self._validate_generation(fail)
         self._validate_losses(fail)
         self._validate_target(fail)
         self._validate_schedule(fail)
 
     def _validate_generation(self, fail) -> None:
-        if self.response_length <= 0:
-            fail(f"response_length={self.response_length}: set response_length >= 1.")
-        if self.stop_token is not None and self.stop_token_id is not None:
-            fail("both stop_token and stop_token_id are set; set only one.")
-        if self.stop_token not in (None, "eos"):
-            fail(f"unknown stop_token {self.stop_token!r}; allowed: 'eos' or None (use stop_token_id for an id).")
-        if not self.temperature > 0:
-            fail(f"temperature={self.temperature}: set temperature > 0.")
-        for name in ("num_samples_per_prompt", "local_rollout_forward_batch_size", "q_steps_per_p_step"):
-            if getattr(self, name) < 1:
-                fail(f"{name}={getattr(self, name)}: set it to at least 1.")
-        if self.missing_eos_penalty is not None and self.missing_eos_penalty < 0:
-            fail(f"missing_eos_penalty={self.missing_eos_penalty} must be >= 0 (it is subtracted from the reward).")
+        if self.q_steps_per_p_step < 1:
+            fail(f"q_steps_per_p_step={self.q_steps_per_p_step}: set it to at least 1.")
         if self.fp16:
             fail(
                 "fp16 is not supported: the proposal and the policy are stepped separately and a loss scaler shared "
@@ -439,10 +343,7 @@ class HarmlessnessConfig(_BaseConfig):
             fail(f"alpha={self.alpha}, start_alpha={self.start_alpha}: alpha must be >= 0 and start_alpha > 0.")
         if self.start_alpha is not None and not self.alpha > 0:
             fail("start_alpha is set but alpha is 0: a log-spaced schedule needs alpha > 0.")
-        if self.loss_aggregation not in AGGREGATIONS:
-            fail(f"unknown loss_aggregation {self.loss_aggregation!r}; choose one of {', '.join(AGGREGATIONS)}.")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            fail(f"unknown kl_estimator {self.kl_estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}.")
+        self._check_choice("kl_estimator", KL_ESTIMATORS)
         if self.kl_coef < 0:
             fail(f"kl_coef={self.kl_coef} must be >= 0.")
         negative = spec.kind == "harmlessness"
@@ -474,8 +375,6 @@ class HarmlessnessConfig(_BaseConfig):
             fail(f"proposal_learning_rate={self.proposal_learning_rate} must be >= 0.")
 
     def _validate_target(self, fail) -> None:
-        if self.rm_type not in RM_TYPE_NAMES:
-            fail(f"unknown rm_type {self.rm_type!r}; choose one of {', '.join(RM_TYPE_NAMES)}.")
         if self.rm_type == "indicator_below_threshold" and self.reward_threshold is None:
             fail("rm_type='indicator_below_threshold' needs reward_threshold (raw rewards below it count as bad).")
         if self.reward_transform is not None and self.reward_transform not in REWARD_TRANSFORM_NAMES:

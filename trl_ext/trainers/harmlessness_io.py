@@ -13,12 +13,11 @@ import os
 import time
 
 import torch
-from torch import nn
-from torch.utils.data import DataLoader
 
 from ..ops import kl_estimate, masked_sum
 from . import checkpoint as ckpt
-from .data import left_padded, prepare_prompt_dataset
+from .data import left_padded
+from .online import forked_rng
 
 __all__ = ["HarmlessnessTrainerIO"]
 
@@ -27,45 +26,8 @@ logger = logging.getLogger(__name__)
 
 class HarmlessnessTrainerIO:
     """`Trainer` overrides of :class:`~trl_ext.trainers.harmlessness_trainer.HarmlessnessTrainer` that deal with
-    placing the frozen models, checkpoints, the Hub and evaluation."""
-
-    def _place_frozen_models(self) -> None:
-        """Put the reference and the reward model where the policy is (DeepSpeed-prepared under DeepSpeed)."""
-        modules = {"ref_model": self.ref_model}
-        if isinstance(self.reward_model, nn.Module):
-            modules["reward_model"] = self.reward_model
-        for name, module in modules.items():
-            if module is None:
-                continue
-            if self.is_deepspeed_enabled:
-                from trl.models import prepare_deepspeed
-
-                module = prepare_deepspeed(module, self.accelerator)
-            else:
-                module = module.to(self.accelerator.device)
-            setattr(self, name, module)
-        if self.ref_model is not None:
-            self.reference.model = self.ref_model
-        if isinstance(self.reward_model, nn.Module):
-            self.reward_model.eval()
-
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        """`Trainer.train`; ``resume_from_checkpoint=True`` picks the newest *complete* checkpoint."""
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = ckpt.last_complete_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"No complete checkpoint (with trainer_state.json) in {self.args.output_dir}.")
-        elif resume_from_checkpoint:
-            if not ckpt.is_complete_checkpoint(resume_from_checkpoint):
-                raise ValueError(
-                    f"{resume_from_checkpoint} is not a complete checkpoint (no trainer_state.json; probably "
-                    "interrupted while saving). Resume from an earlier one, or pass resume_from_checkpoint=True."
-                )
-        else:
-            resume_from_checkpoint = None
-            # Each process samples with its own seed (the same seed would draw the same numbers everywhere).
-            torch.manual_seed(self.args.seed + 100003 * self.accelerator.process_index)
-        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+    checkpoints, the Hub and evaluation (the plumbing shared with the other online trainers is in
+    :class:`~trl_ext.trainers.online.OnlineTrainerMixin`)."""
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # Checkpoints keep the policy in HF format at the root and the proposal in proposal/ (see checkpoint.py);
@@ -73,32 +35,14 @@ class HarmlessnessTrainerIO:
         wrapper = self.accelerator.unwrap_model(model if model is not None else self.model)
         ckpt.load_policy_and_proposal(wrapper.policy, wrapper.proposal, resume_from_checkpoint)
 
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Save the policy at ``output_dir`` (HF format, or the adapter under PEFT), the proposal in ``proposal/``,
-        the tokenizer and the training arguments; outside checkpoints, also the model card (and push if asked)."""
-        output_dir = os.path.normpath(output_dir if output_dir is not None else self.args.output_dir)
-        state_dict = None
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            engine = self.deepspeed if self.is_deepspeed_enabled else self.model
-            try:
-                state_dict = self.accelerator.get_state_dict(engine)
-            except ValueError:
-                logger.warning(
-                    "Could not gather the full weights (ZeRO-3 without stage3_gather_16bit_weights_on_model_save): "
-                    "the models are not written in HF format; the DeepSpeed engine checkpoint holds them."
-                )
-        distributed = self.is_deepspeed_enabled or self.is_fsdp_enabled
-        if self.args.should_save and not (state_dict is None and distributed):
-            proposal = self.proposal if getattr(self, "_save_proposal", True) else None
-            ckpt.save_policy_and_proposal(
-                self.policy, proposal, output_dir, state_dict=state_dict,
-                processing_class=self.processing_class, extra_files={"training_args.bin": self.args},
-            )  # fmt: skip
-        if not _internal_call:
-            hub_id = self.args.hub_model_id
-            self.create_model_card(model_name=hub_id.split("/")[-1] if hub_id else os.path.basename(output_dir))
-            if self.args.push_to_hub:
-                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+    def _write_models(self, output_dir: str, state_dict: dict | None) -> None:
+        """The policy at ``output_dir`` (HF format, or the adapter under PEFT) and the proposal in ``proposal/``
+        (left out while :meth:`push_to_hub` uploads without it)."""
+        proposal = self.proposal if getattr(self, "_save_proposal", True) else None
+        ckpt.save_policy_and_proposal(
+            self.policy, proposal, output_dir, state_dict=state_dict,
+            processing_class=self.processing_class, extra_files={"training_args.bin": self.args},
+        )  # fmt: skip
 
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, **kwargs):
         """`Trainer.push_to_hub`: the policy (root of ``output_dir``) with its model card; the proposal in
@@ -125,17 +69,12 @@ class HarmlessnessTrainerIO:
         (``{prefix}_reward``), the fraction below ``save_negdata_threshold`` (``{prefix}_p_bad``) and the KL to
         ``p_0`` (``{prefix}_kl``). Runs under a forked RNG, so it does not change the training run."""
         start = time.time()
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        dataset = self._eval_prompts(eval_dataset)
         if dataset is None:
             raise ValueError("evaluate() needs an eval_dataset (prompts), passed here or to the trainer.")
-        if eval_dataset is not None:
-            dataset = prepare_prompt_dataset(dataset, self.tokenizer, name="eval_dataset")
-        loader = self.accelerator.prepare(
-            DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, collate_fn=self.data_collator)
-        )
+        loader = self._eval_dataloader(dataset, collate_fn=self.data_collator)
         scores, kls = [], []
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):
+        with forked_rng():
             for batch in loader:
                 ids, mask = left_padded(batch["input_ids"], batch.get("attention_mask"), self.tokenizer.pad_token_id)
                 rollout = self._sample("policy", self.model_wrapped, ids, mask)

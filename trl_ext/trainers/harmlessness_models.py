@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..models.lora import is_peft_model, reference_is_base_with_adapters_disabled
+from .model_parts import ModelParts, add_adapters, shares_parameters
 from .rollout import ReferencePolicy, supports_logits_to_keep
 
 __all__ = ["HarmlessnessModels", "build_harmlessness_models", "parameter_groups"]
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 PARTS: tuple[str, ...] = ("policy", "proposal")
 
 
-class HarmlessnessModels(nn.Module):
+class HarmlessnessModels(ModelParts):
     """The policy ``p_θ`` and the proposal ``q_ξ`` (``None`` when no proposal model is trained) as one module.
 
     ``forward`` runs the *acting* model (the policy unless inside :meth:`acting_as`) with the causal-LM arguments
@@ -43,13 +44,10 @@ class HarmlessnessModels(nn.Module):
         self.policy = policy
         self.proposal = proposal
         self.acting = "policy"
-        parts = [m for m in (policy, proposal) if m is not None]
-        self.supports_logits_to_keep = all(supports_logits_to_keep(m) for m in parts)
+        self.supports_logits_to_keep = all(supports_logits_to_keep(m) for m in self.parts())
 
-    @property
-    def config(self):
-        """The policy's config (what `Trainer` and model cards read)."""
-        return self.policy.config
+    def parts(self) -> list[nn.Module]:
+        return [m for m in (self.policy, self.proposal) if m is not None]
 
     def part(self, name: str) -> nn.Module:
         if name not in PARTS:
@@ -81,64 +79,16 @@ class HarmlessnessModels(nn.Module):
         use_cache: bool = False,
         logits_to_keep: int = 0,
     ):
-        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        kwargs["use_cache"] = use_cache
-        if logits_to_keep and self.supports_logits_to_keep:
-            kwargs["logits_to_keep"] = logits_to_keep
+        kwargs = self._causal_lm_kwargs(input_ids, attention_mask, position_ids, use_cache, logits_to_keep)
         out = self.acting_model()(**kwargs)
-        if logits_to_keep and not self.supports_logits_to_keep:
-            out.logits = out.logits[:, -logits_to_keep:]
+        out.logits = self._kept_logits(out.logits, logits_to_keep)
         return out
-
-    # ---------------------------------------------------------------------------- activation checkpointing
-    def _parts(self) -> list[nn.Module]:
-        return [
-            m for m in (self.policy, self.proposal) if m is not None and hasattr(m, "activation_checkpointing_enable")
-        ]
-
-    @property
-    def is_activation_checkpointing(self) -> bool:
-        return any(getattr(m, "is_activation_checkpointing", False) for m in self._parts())
-
-    is_gradient_checkpointing = is_activation_checkpointing  # the name trl.models.unwrap_model_for_generation reads
-
-    def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, **kwargs) -> None:
-        for part in self._parts():
-            part.activation_checkpointing_enable(activation_checkpointing_kwargs, **kwargs)
-
-    def activation_checkpointing_disable(self) -> None:
-        for part in self._parts():
-            part.activation_checkpointing_disable()
-
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs) -> None:
-        """Alias of :meth:`activation_checkpointing_enable` (the name TRL's generation helper calls)."""
-        self.activation_checkpointing_enable(activation_checkpointing_kwargs=gradient_checkpointing_kwargs, **kwargs)
-
-    def gradient_checkpointing_disable(self) -> None:
-        self.activation_checkpointing_disable()
-
-
-def _shares_parameters(a: nn.Module, b: nn.Module) -> bool:
-    return bool({id(p) for p in a.parameters()} & {id(p) for p in b.parameters()})
 
 
 def _vocab_size(model: nn.Module) -> int | None:
     embeddings = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     weight = getattr(embeddings, "weight", None)
     return int(weight.shape[0]) if weight is not None else getattr(getattr(model, "config", None), "vocab_size", None)
-
-
-def _apply_peft(model: nn.Module, peft_config, what: str) -> nn.Module:
-    from peft import PeftConfig, get_peft_model
-
-    if not isinstance(peft_config, PeftConfig):
-        raise TypeError(f"peft_config must be a peft.PeftConfig (e.g. LoraConfig), got {type(peft_config)}.")
-    if is_peft_model(model):
-        raise ValueError(
-            f"The {what} is already a PeftModel and a peft_config was passed: merge and unload the existing adapter "
-            "first (model.merge_and_unload()), or pass the PeftModel without peft_config."
-        )
-    return get_peft_model(model, copy.deepcopy(peft_config))
 
 
 def build_harmlessness_models(
@@ -180,18 +130,18 @@ def build_harmlessness_models(
         ref_model = copy.deepcopy(policy)
         logger.info("No ref_model given: the reference p_0 is a frozen copy of the initial policy.")
     if peft_config is not None:
-        policy = _apply_peft(policy, peft_config, "model")
+        policy = add_adapters(policy, copy.deepcopy(peft_config), "model")
         if proposal is not None and not is_peft_model(proposal):
-            proposal = _apply_peft(proposal, peft_config, "proposal_model")
+            proposal = add_adapters(proposal, copy.deepcopy(peft_config), "proposal_model")
     if proposal is not None:
-        if _shares_parameters(proposal, policy):
+        if shares_parameters(proposal, policy):
             raise ValueError("proposal_model shares parameters with model: pass a separate copy.")
         if _vocab_size(proposal) != _vocab_size(policy):
             raise ValueError(
                 f"The proposal's vocabulary ({_vocab_size(proposal)} tokens) differs from the policy's "
                 f"({_vocab_size(policy)}): both must use the same tokenizer, since each scores the other's samples."
             )
-    if ref_model is not None and _shares_parameters(ref_model, policy):
+    if ref_model is not None and shares_parameters(ref_model, policy):
         raise ValueError("ref_model shares parameters with model: the reference must be a separate frozen copy.")
     if ref_model is None:
         reference_is_base_with_adapters_disabled(policy, None)

@@ -30,16 +30,13 @@ from dataclasses import replace
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
-from transformers.trainer_utils import enable_full_determinism, set_seed
-from trl.trainer import disable_dropout_in_model
 from trl.trainer.base_trainer import _BaseTrainer
 
 from ..losses import LossOutput, get_loss_spec
 from ..losses.weights import ORIGINAL_INDICATOR_THRESHOLD, sigma_weights
 from ..ops import kl_estimate, masked_sum
 from ..rewards import log_target_weight
-from .data import PromptCollator, RolloutSampler, check_pad_token, left_padded, prepare_prompt_dataset, tokenizer_of
+from .data import left_padded
 from .harmlessness_config import HarmlessnessConfig
 from .harmlessness_io import HarmlessnessTrainerIO
 from .harmlessness_models import HarmlessnessModels, build_harmlessness_models, parameter_groups
@@ -53,8 +50,9 @@ from .harmlessness_steps import (
     step_metrics,
 )
 from .negdata import NegativeDataWriter
+from .online import OnlineTrainerMixin, accepted_kwargs
 from .ppo_metrics import PPOMetrics
-from .rollout import ReferencePolicy, Rollout, RolloutGenerator, RolloutReward, SamplingSettings, forward_response
+from .rollout import ReferencePolicy, Rollout, RolloutGenerator, RolloutReward, forward_response, rollout_logprobs
 from .twist_step import TwistLossOutput, twist_loss
 
 __all__ = ["HarmlessnessTrainer"]
@@ -62,14 +60,7 @@ __all__ = ["HarmlessnessTrainer"]
 logger = logging.getLogger(__name__)
 
 
-def _accepted_kwargs(fn, kwargs: dict) -> dict:
-    params = inspect.signature(fn).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return kwargs
-    return {k: v for k, v in kwargs.items() if k in params}
-
-
-class HarmlessnessTrainer(HarmlessnessTrainerIO, _BaseTrainer):
+class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTrainer):
     """Trainer for RePULSe and its baselines (REINFORCE, reward transforms, the ``p_θ``-proposal ablation).
 
     Args:
@@ -115,6 +106,8 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, _BaseTrainer):
     }
     # Each micro-step's loss is divided by the number of accumulation steps here (one prompt batch each).
     loss_is_scaled_for_ga = True
+    _config_class = HarmlessnessConfig
+    _saved_models = "the policy and the proposal"
 
     def __init__(
         self,
@@ -131,61 +124,32 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, _BaseTrainer):
         optimizers: tuple = (None, None),
         peft_config=None,
     ) -> None:
-        if not isinstance(args, HarmlessnessConfig):
-            raise TypeError(f"args must be a trl_ext HarmlessnessConfig, got {type(args).__name__}.")
-        if train_dataset is None:
-            raise ValueError("`train_dataset` is required: a dataset with a 'prompt' or an 'input_ids' column.")
-        if reward_model is None:
-            raise ValueError("`reward_model` is required (a reward model, a reward function, a callable or a URL).")
-        self.tokenizer = tokenizer_of(processing_class)
-        check_pad_token(self.tokenizer)
-        self.stop_token_id = self.tokenizer.eos_token_id if args.stop_token == "eos" else args.stop_token_id
-
-        enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
+        if isinstance(eval_dataset, dict):
+            raise ValueError(
+                "HarmlessnessTrainer evaluates one eval_dataset; pass a single prompt dataset (not a dict of them)."
+            )
+        self._begin_setup(args, processing_class, train_dataset, reward_model)
         policy, proposal, reference = build_harmlessness_models(args, model, proposal_model, ref_model, peft_config)
         if args.disable_dropout:
-            for module in (policy, proposal, reference.model, reward_model):
-                if isinstance(module, nn.Module):
-                    disable_dropout_in_model(module)
+            self._disable_dropout(policy, proposal, reference.model, reward_model)
         self.ref_model, self.reward_model, self.reference = reference.model, reward_model, reference
 
-        train_dataset = prepare_prompt_dataset(train_dataset, self.tokenizer, num_proc=args.dataset_num_proc)
-        if eval_dataset is not None:
-            eval_dataset = prepare_prompt_dataset(
-                eval_dataset, self.tokenizer, num_proc=args.dataset_num_proc, name="eval_dataset"
-            )
-        wrapper = HarmlessnessModels(policy, proposal)
-        if hasattr(policy, "add_model_tags"):
-            policy.add_model_tags(self._tag_names)
-        super().__init__(
-            model=wrapper,
-            args=args,
-            data_collator=data_collator if data_collator is not None else PromptCollator(self.tokenizer.pad_token_id),
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            callbacks=callbacks,
-            optimizers=optimizers,
-        )
+        train_dataset, eval_dataset = self._prepare_datasets(args, train_dataset, eval_dataset)
+        self._init_trainer(
+            HarmlessnessModels(policy, proposal), policy, args, data_collator, train_dataset=train_dataset,
+            eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
+        )  # fmt: skip
         if self.is_deepspeed_enabled and (args.order == "p_then_q" or args.q_steps_per_p_step > 1):
             raise ValueError(
                 "order='p_then_q' and q_steps_per_p_step > 1 step one model inside a training step, which the "
                 "DeepSpeed engine cannot do; use order='q_then_p' with q_steps_per_p_step=1 under DeepSpeed."
             )
-        self._place_frozen_models()
         self._params = {
             name: [p for p in module.parameters() if p.requires_grad]
             for name, module in (("policy", policy), ("proposal", proposal))
             if module is not None
         }
-        self._sampling = SamplingSettings(
-            max_new_tokens=args.response_length,
-            pad_token_id=self.tokenizer.pad_token_id,
-            temperature=args.temperature,
-            stop_token_ids=(self.stop_token_id,) if self.stop_token_id is not None else None,
-            eos_token_id=self.tokenizer.eos_token_id,
-            num_samples_per_prompt=args.num_samples_per_prompt,
-        )
+        self._sampling = self._sampling_settings(args)
         reward = RolloutReward(self.reward_model, self.tokenizer)
         self._generators = {"policy": self._generator(reward, self.reference)}
         if proposal is not None:  # the proposal's "reference" is the current policy: its target's base
@@ -209,14 +173,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, _BaseTrainer):
 
     # ------------------------------------------------------------------------------------------------ setup
     def _generator(self, reward: RolloutReward, reference: ReferencePolicy) -> RolloutGenerator:
-        args = self.args
-        return RolloutGenerator(
-            self._sampling, reward, reference,
-            forward_batch_size=args.local_rollout_forward_batch_size, accelerator=self.accelerator,
-            missing_eos_penalty=args.missing_eos_penalty, policy_of=lambda m: m.acting_model(),
-            gather_deepspeed3_params=args.ds3_gather_for_generation,
-            gradient_checkpointing_kwargs=args.activation_checkpointing_kwargs,
-        )  # fmt: skip
+        return self._rollout_generator(reward, reference, policy_of=lambda m: m.acting_model())
 
     @property
     def _wrapper(self) -> HarmlessnessModels:
@@ -244,25 +201,6 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, _BaseTrainer):
         return beta, alpha
 
     # ------------------------------------------------------------------------------------- Trainer plumbing
-    def get_train_dataloader(self) -> DataLoader:
-        """``per_device_train_batch_size`` prompts per micro-step, reshuffled every epoch (:class:`RolloutSampler`)."""
-        args = self.args
-        sampler = RolloutSampler(
-            len(self.train_dataset),
-            args.per_device_train_batch_size * args.world_size,
-            repeat=1,
-            seed=args.data_seed if args.data_seed is not None else args.seed,
-        )
-        loader = DataLoader(
-            self.train_dataset,
-            batch_size=args.per_device_train_batch_size,
-            sampler=sampler,
-            collate_fn=self.data_collator,
-            num_workers=args.dataloader_num_workers,
-            pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
-        )
-        return self.accelerator.prepare(loader)
-
     def create_optimizer(self, model=None):
         """`Trainer`'s optimizer (``optim``, its ``weight_decay`` rule) with one parameter group per model and
         weight-decay class: ``learning_rate`` for the policy, ``proposal_learning_rate`` for the proposal."""
@@ -400,18 +338,14 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, _BaseTrainer):
         policy = self.policy
         was_training = policy.training
         policy.eval()
-        parts = []
         try:
             with self.accelerator.autocast():
-                for chunk in rollout.split(self.args.local_rollout_forward_batch_size):
-                    out = forward_response(
-                        policy, chunk.input_ids, chunk.attention_mask, chunk.response_length,
-                        temperature=self.args.temperature,
-                    )  # fmt: skip
-                    parts.append(out.logprobs.float())
+                return self._logprobs_of(policy, rollout)
         finally:
             policy.train(was_training)
-        return torch.cat(parts)
+
+    def _logprobs_of(self, model: nn.Module, rollout: Rollout) -> torch.Tensor:
+        return rollout_logprobs(model, rollout, self.args.local_rollout_forward_batch_size, self.args.temperature)
 
     # ------------------------------------------------------------------------------------------ public hooks
     def _sample(self, part: str, model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Rollout:
@@ -457,15 +391,8 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, _BaseTrainer):
     @torch.no_grad()
     def _reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
         """``log p_0`` on ``rollout``'s samples (for the proposal samples' returns of ``neg_reinforce``)."""
-        parts = []
         with self.reference.module(self.policy) as reference, self.accelerator.autocast():
-            for chunk in rollout.split(self.args.local_rollout_forward_batch_size):
-                out = forward_response(
-                    reference, chunk.input_ids, chunk.attention_mask, chunk.response_length,
-                    temperature=self.args.temperature,
-                )  # fmt: skip
-                parts.append(out.logprobs.float())
-        return torch.cat(parts)
+            return self._logprobs_of(reference, rollout)
 
     def compute_proposal_loss(self, model: nn.Module, rollout: Rollout, log_phi: torch.Tensor) -> TwistLossOutput:
         """The proposal's twist loss (``proposal_loss_type``, ``parameterization``) on its own samples, towards
@@ -531,7 +458,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, _BaseTrainer):
         }
         grouped = (group(logprobs, N), group(rewards.policy_return, N), group(p.response_mask, N))
         if not args.uses_negative_samples:
-            return fn(*grouped, **_accepted_kwargs(fn, common))
+            return fn(*grouped, **accepted_kwargs(fn, common))
         negative = p if args.use_base_as_proposal else rollouts.proposal
         neg_rewards = rewards.policy_return if args.use_base_as_proposal else rewards.proposal_return
         self._last_weights = self.neg_weights(rollouts, rewards, weight_logprobs)
@@ -548,7 +475,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, _BaseTrainer):
         }
         if neg_rewards is not None:
             kwargs["neg_rewards"] = group(neg_rewards, N)
-        return fn(**_accepted_kwargs(fn, kwargs))
+        return fn(**accepted_kwargs(fn, kwargs))
 
     # ----------------------------------------------------------------------------------------------- metrics
     def _save_negative_data(self, rollouts: HarmlessnessRollouts) -> None:

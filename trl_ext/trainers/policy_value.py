@@ -10,6 +10,7 @@ inside a PEFT model), or absent (REINFORCE-style actor losses).
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from ..models.critic import get_token_values
 from ..models.lora import is_peft_model, reference_is_base_with_adapters_disabled
 from ..models.value_head import AutoModelForCausalLMWithValueHead, prepare_value_head_for_peft
 from ..ops.sequences import position_ids_from_attention_mask
+from .model_parts import ModelParts, add_adapters, shares_parameters
 from .rollout import ReferencePolicy, supports_logits_to_keep
 
 __all__ = ["PolicyAndValueModel", "PolicyValueOutput", "build_ppo_models", "has_value_head"]
@@ -42,7 +44,7 @@ class PolicyValueOutput(ModelOutput):
     value: torch.Tensor | None = None
 
 
-class PolicyAndValueModel(nn.Module):
+class PolicyAndValueModel(ModelParts):
     """The policy and its critic as one module.
 
     Args:
@@ -62,10 +64,8 @@ class PolicyAndValueModel(nn.Module):
         self.use_policy_value_head = use_policy_value_head
         self.supports_logits_to_keep = supports_logits_to_keep(policy)
 
-    @property
-    def config(self):
-        """The policy's config (what `Trainer` and model cards read)."""
-        return self.policy.config
+    def parts(self) -> list[nn.Module]:
+        return [m for m in (self.policy, self.value_model) if m is not None]
 
     @property
     def has_critic(self) -> bool:
@@ -81,17 +81,12 @@ class PolicyAndValueModel(nn.Module):
         return_values: bool = True,
     ) -> PolicyValueOutput:
         """Policy logits and, with a critic and ``return_values``, values ``(B, T)`` for every position."""
-        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        kwargs["use_cache"] = use_cache
-        if logits_to_keep and self.supports_logits_to_keep:
-            kwargs["logits_to_keep"] = logits_to_keep
+        kwargs = self._causal_lm_kwargs(input_ids, attention_mask, position_ids, use_cache, logits_to_keep)
         want_values = return_values and self.has_critic
         if self.use_policy_value_head:
             kwargs["return_values"] = want_values
         out = self.policy(**kwargs)
-        logits = out.logits
-        if logits_to_keep and not self.supports_logits_to_keep:
-            logits = logits[:, -logits_to_keep:]
+        logits = self._kept_logits(out.logits, logits_to_keep)
         value = None
         if want_values:
             if self.use_policy_value_head:
@@ -114,32 +109,6 @@ class PolicyAndValueModel(nn.Module):
             value = self(input_ids, attention_mask, position_ids=position_ids, logits_to_keep=T + 1).value
         value = value[:, -(T + 1) : -1].float()
         return torch.where(attention_mask[:, -T:] != 0, value, torch.zeros_like(value))
-
-    # ---------------------------------------------------------------------------- activation checkpointing
-    def _parts(self) -> list[nn.Module]:
-        models = (self.policy, self.value_model)
-        return [m for m in models if m is not None and hasattr(m, "activation_checkpointing_enable")]
-
-    @property
-    def is_activation_checkpointing(self) -> bool:
-        return any(getattr(m, "is_activation_checkpointing", False) for m in self._parts())
-
-    is_gradient_checkpointing = is_activation_checkpointing  # the name trl.models.unwrap_model_for_generation reads
-
-    def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, **kwargs) -> None:
-        for part in self._parts():
-            part.activation_checkpointing_enable(activation_checkpointing_kwargs, **kwargs)
-
-    def activation_checkpointing_disable(self) -> None:
-        for part in self._parts():
-            part.activation_checkpointing_disable()
-
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs) -> None:
-        """Alias of :meth:`activation_checkpointing_enable` (the name TRL's generation helper calls)."""
-        self.activation_checkpointing_enable(activation_checkpointing_kwargs=gradient_checkpointing_kwargs, **kwargs)
-
-    def gradient_checkpointing_disable(self) -> None:
-        self.activation_checkpointing_disable()
 
 
 def build_ppo_models(args, model: nn.Module, ref_model: nn.Module | None, value_model: nn.Module | None, peft_config):
@@ -180,19 +149,11 @@ def build_ppo_models(args, model: nn.Module, ref_model: nn.Module | None, value_
         inner.v_head.requires_grad_(False)  # no loss reaches it; frozen so DDP does not wait for its gradient
         logger.info("The policy's value head is not used (shared_actor_critic=False): frozen.")
     if peft_config is not None:
-        from peft import PeftConfig, get_peft_model
-
-        if not isinstance(peft_config, PeftConfig):
-            raise TypeError(f"peft_config must be a peft.PeftConfig (e.g. LoraConfig), got {type(peft_config)}.")
-        if is_peft_model(policy):
-            raise ValueError(
-                "You passed a PeftModel together with a peft_config: merge and unload the existing adapter first "
-                "(model.merge_and_unload()), or pass the PeftModel without peft_config."
-            )
+        prepare = None
         if has_value_head(policy) and args.shared_actor_critic:
-            peft_config = prepare_value_head_for_peft(policy, peft_config)
-        policy = get_peft_model(policy, peft_config)
-    if ref_model is not None and {id(p) for p in ref_model.parameters()} & {id(p) for p in policy.parameters()}:
+            prepare = functools.partial(prepare_value_head_for_peft, policy)
+        policy = add_adapters(policy, peft_config, prepare=prepare)
+    if ref_model is not None and shares_parameters(ref_model, policy):
         raise ValueError("ref_model shares parameters with model: the reference must be a separate frozen copy.")
     if args.ref_adapter_name is not None and not is_peft_model(policy):
         raise ValueError("ref_adapter_name is set but the policy has no PEFT adapters.")

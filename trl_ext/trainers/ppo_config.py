@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import logging
 import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
 from transformers import TrainingArguments
-from trl.trainer.base_config import _BaseConfig
 
 from ..losses import AGGREGATIONS, available_losses, get_loss_spec
 from ..losses.reinforce import BASELINES
 from ..ops.kl import KL_ESTIMATORS
+from .online_config import OnlineConfig
 
 __all__ = ["PPOConfig", "ACTOR_LOSS_KINDS", "REINFORCE_BASELINES"]
-
-logger = logging.getLogger(__name__)
 
 #: Loss kinds `actor_loss_type` may name: a clipped-surrogate style loss or a score-function (REINFORCE) loss.
 ACTOR_LOSS_KINDS: tuple[str, ...] = ("policy", "reinforce")
@@ -25,15 +22,8 @@ ACTOR_LOSS_KINDS: tuple[str, ...] = ("policy", "reinforce")
 REINFORCE_BASELINES: tuple[str, ...] = ("none", "rloo", "hardcoded")
 
 
-def _has_accelerator() -> bool:
-    import torch
-
-    xpu = getattr(torch, "xpu", None)
-    return torch.cuda.is_available() or bool(xpu is not None and xpu.is_available())
-
-
 @dataclass
-class PPOConfig(_BaseConfig):
+class PPOConfig(OnlineConfig):
     r"""
     Configuration class for [`~trl_ext.PPOTrainer`].
 
@@ -164,13 +154,6 @@ class PPOConfig(_BaseConfig):
 
     # ------------------------------------------------------------------------------------- TrainingArguments
     learning_rate: float = field(default=3e-6, metadata={"help": "The initial learning rate for AdamW."})
-    gradient_checkpointing: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Deprecated alias of `activation_checkpointing`. Activation checkpointing is on by default (as "
-            "in TRL's configs): set either to False to turn it off."
-        },
-    )
 
     # ------------------------------------------------------------------------------------------------ models
     exp_name: str = field(
@@ -199,27 +182,10 @@ class PPOConfig(_BaseConfig):
         },
     )
 
-    # -------------------------------------------------------------------------------------------------- data
-    dataset_num_proc: int | None = field(
-        default=None, metadata={"help": "Number of processes to use for processing the dataset."}
-    )
-
     # -------------------------------------------------------------------------------------------- generation
+    # (stop_token, stop_token_id, local_rollout_forward_batch_size, ds3_gather_for_generation, missing_eos_penalty
+    # and dataset_num_proc are `OnlineConfig`'s, with TRL 1.12's defaults.)
     response_length: int = field(default=53, metadata={"help": "Length of the response (maximum new tokens)."})
-    stop_token: Literal["eos"] | None = field(
-        default=None,
-        metadata={
-            "help": "Stop token for generation: 'eos' (the tokenizer's eos_token) or None (no stop token unless "
-            "`stop_token_id` is set). Mutually exclusive with `stop_token_id`."
-        },
-    )
-    stop_token_id: int | None = field(
-        default=None,
-        metadata={
-            "help": "ID of the stop token for generation. If None, no stop token ID is applied, unless `stop_token` "
-            "is set. Mutually exclusive with `stop_token`."
-        },
-    )
     temperature: float = field(
         default=0.7,
         metadata={"help": "Sampling temperature; log-probs are computed at the same temperature."},
@@ -242,26 +208,8 @@ class PPOConfig(_BaseConfig):
             ">= 2. `per_device_train_batch_size` counts responses, so prompts per rollout = local_batch_size / N."
         },
     )
-    local_rollout_forward_batch_size: int = field(
-        default=64, metadata={"help": "Per rank no grad forward pass in the rollout phase."}
-    )
-    ds3_gather_for_generation: bool = field(
-        default=True,
-        metadata={
-            "help": "This setting applies to DeepSpeed ZeRO-3. If enabled, the policy model weights are gathered for "
-            "generation, improving generation speed. However, disabling this option allows training models that "
-            "exceed the VRAM capacity of a single GPU, albeit at the cost of slower generation."
-        },
-    )
 
     # ----------------------------------------------------------------------------------------------- rewards
-    missing_eos_penalty: float | None = field(
-        default=None,
-        metadata={
-            "help": "Penalty subtracted from the score when the model fails to generate an EOS (stop) token. Useful "
-            "to encourage completions shorter than `response_length`. Must be >= 0."
-        },
-    )
     kl_coef: float = field(default=0.05, metadata={"help": "KL coefficient."})
     kl_estimator: Literal["k1", "k2", "k3"] = field(
         default="k1",
@@ -362,12 +310,6 @@ class PPOConfig(_BaseConfig):
     mini_batch_size: int | None = field(default=None, metadata={"help": "Mini batch size across GPUs (derived)."})
 
     def __post_init__(self):
-        if self.bf16 is None and not self.fp16 and (self.use_cpu or not _has_accelerator()):
-            self.bf16 = False
-            logger.info("PPOConfig: no GPU found (or use_cpu=True): bf16 defaults to False.")
-        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
-            self.activation_checkpointing = True  # TRL's configs default to checkpointing on
-        self._validate()
         super().__post_init__()
         _ = self.device  # set up the distributed state, then read the number of processes
         self.world_size = TrainingArguments.world_size.fget(self)
@@ -375,19 +317,9 @@ class PPOConfig(_BaseConfig):
 
     # ------------------------------------------------------------------------------------------- checks
     def _validate(self) -> None:
-        def fail(message: str) -> None:
-            raise ValueError(f"PPOConfig: {message}")
-
-        if self.response_length <= 0:
-            fail(f"response_length={self.response_length}: set response_length >= 1 (max new tokens per response).")
-        if self.stop_token is not None and self.stop_token_id is not None:
-            fail("both stop_token and stop_token_id are set; set only one (stop_token='eos' or stop_token_id=<id>).")
-        if self.stop_token not in (None, "eos"):
-            fail(f"unknown stop_token {self.stop_token!r}; allowed: 'eos' or None (use stop_token_id for an id).")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            fail(f"unknown kl_estimator {self.kl_estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}.")
-        if not self.temperature > 0:
-            fail(f"temperature={self.temperature}: set temperature > 0.")
+        super()._validate()
+        fail = self._fail
+        self._check_choice("kl_estimator", KL_ESTIMATORS)
         if self.top_k is not None and self.top_k < 0:
             fail(f"top_k={self.top_k}: set top_k >= 0 (None or 0: off).")
         if not 0.0 < self.top_p <= 1.0:
@@ -399,16 +331,13 @@ class PPOConfig(_BaseConfig):
                 "(the KL estimate no longer measures KL(policy || reference) of what is sampled). Leave top_k=None "
                 "and top_p=1.0 unless you know why you need them.",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=5,
             )
-        positive = ("num_ppo_epochs", "num_mini_batches", "num_samples_per_prompt", "local_rollout_forward_batch_size")
-        for name in positive:
+        for name in ("num_ppo_epochs", "num_mini_batches"):
             if getattr(self, name) < 1:
                 fail(f"{name}={getattr(self, name)}: set it to at least 1.")
         if self.num_sample_generations < 0:
             fail(f"num_sample_generations={self.num_sample_generations}: set it >= 0 (0: no sample tables).")
-        if self.missing_eos_penalty is not None and self.missing_eos_penalty < 0:
-            fail(f"missing_eos_penalty={self.missing_eos_penalty} must be >= 0 (it is subtracted from the score).")
         if self.reward_clip is not None and not self.reward_clip > 0:
             fail(f"reward_clip={self.reward_clip}: set a positive bound or None.")
         if not self.cliprange > 0:
@@ -421,8 +350,7 @@ class PPOConfig(_BaseConfig):
             fail(f"gamma={self.gamma}, lam={self.lam}: both must be in [0, 1].")
         if self.vf_coef < 0 or self.kl_coef < 0:
             fail(f"vf_coef={self.vf_coef}, kl_coef={self.kl_coef}: coefficients must be >= 0.")
-        if self.loss_aggregation not in AGGREGATIONS:
-            fail(f"unknown loss_aggregation {self.loss_aggregation!r}; choose one of {', '.join(AGGREGATIONS)}.")
+        self._check_choice("loss_aggregation", AGGREGATIONS)
         self._validate_actor_loss(fail)
         if self.total_episodes is not None and self.total_episodes < 1:
             fail(f"total_episodes={self.total_episodes}: set a positive number, or None for one pass per epoch.")

@@ -13,7 +13,6 @@ Optimizer, scheduler, gradient clipping, mixed precision, logging, callbacks, ch
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import os
@@ -25,34 +24,19 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
-from transformers.trainer_utils import enable_full_determinism, set_seed
-from trl.trainer import disable_dropout_in_model
 from trl.trainer.base_trainer import _BaseTrainer
 
 from ..losses import LossOutput, get_loss, get_loss_spec
 from ..losses.reinforce import compute_baseline
 from ..ops import assemble_token_rewards, gae_advantages, kl_estimate, masked_sum, masked_whiten
 from . import checkpoint as ckpt
-from .data import (
-    PromptCollator,
-    RolloutSampler,
-    check_pad_token,
-    left_padded,
-    prepare_prompt_dataset,
-    tokenizer_of,
-)
+from .data import left_padded
 from .experience import Experience, minibatch_counts, ppo_schedule, schedule_position
+from .online import OnlineTrainerMixin, accepted_kwargs, forked_rng
 from .policy_value import PolicyAndValueModel, build_ppo_models
 from .ppo_config import PPOConfig
-from .ppo_metrics import PPOMetrics, log_completions_table, print_completions_table, rollout_metrics
-from .rollout import (
-    Rollout,
-    RolloutGenerator,
-    RolloutReward,
-    SamplingSettings,
-    forward_response,
-    generate_responses,
-)
+from .ppo_metrics import PPOMetrics, rollout_metrics
+from .rollout import Rollout, RolloutReward, forward_response
 
 __all__ = ["PPOTrainer", "PPORewards"]
 
@@ -70,15 +54,7 @@ class PPORewards(NamedTuple):
     """The per-token KL estimate (``kl_estimator``)."""
 
 
-def _accepted_kwargs(fn, kwargs: dict) -> dict:
-    """The subset of ``kwargs`` that ``fn`` accepts (all of them if it takes ``**kwargs``)."""
-    params = inspect.signature(fn).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return kwargs
-    return {k: v for k, v in kwargs.items() if k in params}
-
-
-class PPOTrainer(_BaseTrainer):
+class PPOTrainer(OnlineTrainerMixin, _BaseTrainer):
     """Trainer for Proximal Policy Optimization (PPO) of language models, with TRL 1.12's constructor.
 
     Args:
@@ -121,6 +97,7 @@ class PPOTrainer(_BaseTrainer):
     }
     # Micro-batch losses are normalised by the whole minibatch (see `aggregate(normalizer=...)`): no GA division.
     loss_is_scaled_for_ga = True
+    _config_class = PPOConfig
 
     def __init__(
         self,
@@ -137,67 +114,29 @@ class PPOTrainer(_BaseTrainer):
         callbacks: list | None = None,
         peft_config=None,
     ) -> None:
-        if not isinstance(args, PPOConfig):
-            raise TypeError(f"args must be a trl_ext PPOConfig, got {type(args).__name__}.")
-        if train_dataset is None:
-            raise ValueError("`train_dataset` is required: a dataset with a 'prompt' or an 'input_ids' column.")
         if ref_model is not None and ref_model is model:
             raise ValueError(
                 "`model` and `ref_model` cannot be the same object: the reference must stay frozen. Pass a separate "
                 "copy (e.g. a second from_pretrained), or ref_model=None for a frozen copy (or, under LoRA, the base "
                 "model with adapters disabled)."
             )
-        if args.load_best_model_at_end:
-            raise ValueError("load_best_model_at_end is not supported by PPOTrainer (there is no eval loss).")
-        self.tokenizer = tokenizer_of(processing_class)
-        check_pad_token(self.tokenizer)
-        if reward_model is None:
-            raise ValueError("`reward_model` is required (a reward model, a reward function, a callable or a URL).")
-        if args.stop_token == "eos":
-            self.stop_token_id = self.tokenizer.eos_token_id
-        else:
-            self.stop_token_id = args.stop_token_id
-
-        # Seeded before any weight is created here (a fresh value head, LoRA adapters), as `Trainer` does for
-        # `model_init`, so that they are reproducible from `args.seed`.
-        enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
+        self._begin_setup(args, processing_class, train_dataset, reward_model)
         policy, value_model, reference = build_ppo_models(args, model, ref_model, value_model, peft_config)
-        for module in (policy, reference.model, value_model, reward_model):
-            if isinstance(module, nn.Module):
-                disable_dropout_in_model(module)
+        self._disable_dropout(policy, reference.model, value_model, reward_model)
         self.policy_model, self.ref_model, self.value_model, self.reward_model = (
             policy, reference.model, value_model, reward_model,
         )  # fmt: skip
         self.reference = reference
 
-        train_dataset = prepare_prompt_dataset(train_dataset, self.tokenizer, num_proc=args.dataset_num_proc)
-        if isinstance(eval_dataset, dict):
-            eval_dataset = {
-                k: prepare_prompt_dataset(v, self.tokenizer, num_proc=args.dataset_num_proc, name=f"eval_dataset[{k}]")
-                for k, v in eval_dataset.items()
-            }
-        elif eval_dataset is not None:
-            eval_dataset = prepare_prompt_dataset(
-                eval_dataset, self.tokenizer, num_proc=args.dataset_num_proc, name="eval_dataset"
-            )
+        train_dataset, eval_dataset = self._prepare_datasets(args, train_dataset, eval_dataset)
         self._set_sizes(args, len(train_dataset))
-
         wrapper = PolicyAndValueModel(
             policy, value_model, use_policy_value_head=args.shared_actor_critic and args.uses_critic
         )
-        if hasattr(policy, "add_model_tags"):
-            policy.add_model_tags(self._tag_names)
-        super().__init__(
-            model=wrapper,
-            args=args,
-            data_collator=data_collator if data_collator is not None else PromptCollator(self.tokenizer.pad_token_id),
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            callbacks=callbacks,
-            optimizers=optimizers,
-        )
-        self._place_frozen_models()
+        self._init_trainer(
+            wrapper, policy, args, data_collator, train_dataset=train_dataset, eval_dataset=eval_dataset,
+            processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
+        )  # fmt: skip
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
         if plugin is not None and plugin.zero_stage == 3 and not args.ds3_gather_for_generation:
             logger.warning(
@@ -205,28 +144,11 @@ class PPOTrainer(_BaseTrainer):
                 "by layer, which is very slow (a rollout can look hung). Set ds3_gather_for_generation=True when the "
                 "policy fits on one GPU."
             )
-        self._sampling = SamplingSettings(
-            max_new_tokens=args.response_length,
-            pad_token_id=self.tokenizer.pad_token_id,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            stop_token_ids=(self.stop_token_id,) if self.stop_token_id is not None else None,
-            eos_token_id=self.tokenizer.eos_token_id,
-            num_samples_per_prompt=args.num_samples_per_prompt,
-        )
-        self.rollout_generator = RolloutGenerator(
-            self._sampling,
-            RolloutReward(self.reward_model, self.tokenizer),
-            self.reference,
-            forward_batch_size=args.local_rollout_forward_batch_size,
-            accelerator=self.accelerator,
-            missing_eos_penalty=args.missing_eos_penalty,
-            policy_of=lambda m: m.policy,
-            with_values=wrapper.has_critic,
-            gather_deepspeed3_params=args.ds3_gather_for_generation,
-            gradient_checkpointing_kwargs=args.activation_checkpointing_kwargs,
-        )
+        self._sampling = self._sampling_settings(args)
+        self.rollout_generator = self._rollout_generator(
+            RolloutReward(self.reward_model, self.tokenizer), self.reference,
+            policy_of=lambda m: m.policy, with_values=wrapper.has_critic,
+        )  # fmt: skip
         self._metrics = PPOMetrics()
         self._resume_path: str | None = None
         self._micro_step: int | None = None
@@ -249,44 +171,10 @@ class PPOTrainer(_BaseTrainer):
             max(1, args.num_total_batches // args.num_sample_generations) if args.num_sample_generations else 0
         )
 
-    def _place_frozen_models(self) -> None:
-        """Put the reference and the reward model where the policy is (DeepSpeed-prepared under DeepSpeed)."""
-        modules = {"ref_model": self.ref_model}
-        if isinstance(self.reward_model, nn.Module):
-            modules["reward_model"] = self.reward_model
-        for name, module in modules.items():
-            if module is None:
-                continue
-            if self.is_deepspeed_enabled:
-                from trl.models import prepare_deepspeed
-
-                module = prepare_deepspeed(module, self.accelerator)
-            else:
-                module = module.to(self.accelerator.device)
-            setattr(self, name, module)
-        self.reference.model = self.ref_model
-        if isinstance(self.reward_model, nn.Module):
-            self.reward_model.eval()
-
     # ------------------------------------------------------------------------------------- Trainer plumbing
     def get_train_dataloader(self) -> DataLoader:
         """One rollout's prompts per process, repeated once per micro-step (:class:`RolloutSampler`)."""
-        args = self.args
-        sampler = RolloutSampler(
-            len(self.train_dataset),
-            self._prompts_per_process * args.world_size,
-            repeat=self._micro_steps_per_rollout,
-            seed=args.data_seed if args.data_seed is not None else args.seed,
-        )
-        loader = DataLoader(
-            self.train_dataset,
-            batch_size=self._prompts_per_process,
-            sampler=sampler,
-            collate_fn=self.data_collator,
-            num_workers=args.dataloader_num_workers,
-            pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
-        )
-        return self.accelerator.prepare(loader)
+        return self._prompt_dataloader(self._prompts_per_process, repeat=self._micro_steps_per_rollout)
 
     def set_initial_training_values(self, args, dataloader):
         """`Trainer`'s values with PPO's number of optimizer steps: ``num_total_batches × updates_per_rollout``."""
@@ -297,26 +185,10 @@ class PPOTrainer(_BaseTrainer):
         values[6] = self._max_steps
         return tuple(values)
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        """`Trainer.train`; ``resume_from_checkpoint=True`` picks the newest *complete* checkpoint."""
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = ckpt.last_complete_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"No complete checkpoint (with trainer_state.json) in {self.args.output_dir}.")
-        elif resume_from_checkpoint:
-            if not ckpt.is_complete_checkpoint(resume_from_checkpoint):
-                raise ValueError(
-                    f"{resume_from_checkpoint} is not a complete checkpoint (no trainer_state.json; probably "
-                    "interrupted while saving). Resume from an earlier one, or pass resume_from_checkpoint=True."
-                )
-        else:
-            resume_from_checkpoint = None
-            # Each process samples with its own seed (the same seed would draw the same random numbers everywhere).
-            torch.manual_seed(self.args.seed + 100003 * self.accelerator.process_index)
+    def _start_training(self, resume_from_checkpoint: str | None) -> None:
         self._resume_path = resume_from_checkpoint
         self._micro_step, self._experience = None, None
         self._train_start, self._episode_start = time.time(), None
-        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # `Trainer`'s loader expects one weight file for the module it trains; PPO checkpoints keep the policy in HF
@@ -327,38 +199,22 @@ class PPOTrainer(_BaseTrainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save the policy at ``output_dir`` (HF format, or the adapter under PEFT), the critic in ``value_model/``,
-        the tokenizer and the training arguments. In a checkpoint taken in the middle of a rollout, the rollout is
-        saved too, so that resuming continues it exactly."""
-        output_dir = os.path.normpath(output_dir if output_dir is not None else self.args.output_dir)
-        state_dict = None
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            engine = self.deepspeed if self.is_deepspeed_enabled else self.model
-            try:
-                state_dict = self.accelerator.get_state_dict(engine)
-            except ValueError:
-                logger.warning(
-                    "Could not gather the full weights (ZeRO-3 without stage3_gather_16bit_weights_on_model_save): "
-                    "the policy is not written in HF format; the DeepSpeed engine checkpoint holds it."
-                )
-        wrapper = self.accelerator.unwrap_model(self.model)
-        if self.args.should_save and not (state_dict is None and (self.is_deepspeed_enabled or self.is_fsdp_enabled)):
-            ckpt.save_policy_and_value(
-                wrapper.policy,
-                wrapper.value_model,
-                output_dir,
-                state_dict=state_dict,
-                processing_class=self.processing_class,
-                extra_files={"training_args.bin": self.args},
-            )
+        the tokenizer and the training arguments (and, outside checkpoints, the model card; pushed with
+        ``push_to_hub``). In a checkpoint taken in the middle of a rollout, the rollout is saved too, so that resuming
+        continues it exactly."""
+        super().save_model(output_dir, _internal_call)
         if _internal_call and self._experience is not None and self._micro_step % self._micro_steps_per_rollout:
+            output_dir = os.path.normpath(output_dir if output_dir is not None else self.args.output_dir)
             os.makedirs(output_dir, exist_ok=True)
             name = ckpt.ROLLOUT_STATE_PATTERN.format(rank=self.accelerator.process_index)
             torch.save(self._experience.state_dict(), os.path.join(output_dir, name))
-        if not _internal_call:
-            hub_id = self.args.hub_model_id
-            self.create_model_card(model_name=hub_id.split("/")[-1] if hub_id else os.path.basename(output_dir))
-            if self.args.push_to_hub:
-                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _write_models(self, output_dir: str, state_dict: dict | None) -> None:
+        wrapper = self.accelerator.unwrap_model(self.model)
+        ckpt.save_policy_and_value(
+            wrapper.policy, wrapper.value_model, output_dir, state_dict=state_dict,
+            processing_class=self.processing_class, extra_files={"training_args.bin": self.args},
+        )  # fmt: skip
 
     # ------------------------------------------------------------------------------------- the training step
     def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
@@ -476,9 +332,9 @@ class PPOTrainer(_BaseTrainer):
         fn = get_loss(args.actor_loss_type, kind)
         common = {"aggregation": args.loss_aggregation, "normalizer": normalizer}
         if kind == "reinforce":
-            kwargs = _accepted_kwargs(fn, {"baseline": "none", **common})
+            kwargs = accepted_kwargs(fn, {"baseline": "none", **common})
             return fn(logprobs, batch["advantages"][:, 0], mask, **kwargs)
-        kwargs = _accepted_kwargs(fn, {"cliprange": args.cliprange, "dual_clip": args.dual_clip, **common})
+        kwargs = accepted_kwargs(fn, {"cliprange": args.cliprange, "dual_clip": args.dual_clip, **common})
         return fn(logprobs, batch["old_logprobs"], batch["advantages"], mask, **kwargs)
 
     def compute_value_loss(self, values: torch.Tensor, batch: dict, normalizer: float) -> LossOutput:
@@ -545,43 +401,17 @@ class PPOTrainer(_BaseTrainer):
         """Greedy completions of the eval prompts (or of ``dataset``) with their scores; prints the first rows as a
         table and logs the table to wandb / trackio / comet when they are in ``report_to``. ``sampling=True``: the
         first batch only. Runs under a forked RNG, so it does not change the training run."""
-        if dataset is not None:
-            dataset = prepare_prompt_dataset(dataset, self.tokenizer, name="dataset")
-        else:
-            dataset = self.eval_dataset
-        if isinstance(dataset, dict):
-            dataset = next(iter(dataset.values()), None)
+        dataset = self._eval_prompts(dataset)
         if dataset is None:
             return None
-        collator = PromptCollator(self.tokenizer.pad_token_id)
-        loader = self.accelerator.prepare(
-            DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, collate_fn=collator)
-        )
         settings = replace(self._sampling, do_sample=False, num_samples_per_prompt=1)
-        generator = self.rollout_generator
         rows = []
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):
-            for batch in loader:
-                ids, mask = batch["input_ids"], batch["attention_mask"]
-                with generator._generation_model(self.model_wrapped) as policy:
-                    responses, response_mask, _ = generate_responses(
-                        policy, ids, mask, settings, self.args.local_rollout_forward_batch_size
-                    )
-                scores = generator.reward(ids, mask, responses, response_mask)
-                prompts = self.tokenizer.batch_decode([r[m != 0] for r, m in zip(ids, mask)], skip_special_tokens=True)
-                texts = self.tokenizer.batch_decode([r[m != 0] for r, m in zip(responses, response_mask)])
-                for prompt, text, score in zip(prompts, texts, scores.tolist()):
-                    rows.append({"query": prompt, "model response": text, "score": score})
+        with forked_rng():
+            for batch in self._eval_dataloader(dataset):
+                rows += self._completion_rows(batch["input_ids"], batch["attention_mask"], settings, "model response")
                 if sampling:
                     break
-        from accelerate.utils import gather_object
-
-        rows = gather_object(rows)
-        if self.accelerator.is_main_process:
-            print_completions_table(rows, title=f"PPO samples at step {self.state.global_step}")
-            log_completions_table(rows, self.args.report_to)
-        return rows
+        return self._publish_completions(rows, "PPO samples")
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Greedy completions of the eval prompts, scored by the reward: logs ``{prefix}_objective/scores``.

@@ -3,32 +3,20 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, field
-from typing import Literal
 
-from trl.trainer.base_config import _BaseConfig
-
-from ..losses import AGGREGATIONS, available_losses
+from ..losses import available_losses
 from ..models.twist import TWIST_PARAMETERIZATIONS
-from ..rewards import RM_TYPES, RewardShaping
+from ..rewards import RewardShaping
+from .online_config import TwistTargetConfig
 from .twist_step import validate_twist_setup
 
 __all__ = ["ProposalConfig"]
 
-logger = logging.getLogger(__name__)
-
-
-def _has_accelerator() -> bool:
-    import torch
-
-    xpu = getattr(torch, "xpu", None)
-    return torch.cuda.is_available() or bool(xpu is not None and xpu.is_available())
-
 
 @dataclass
-class ProposalConfig(_BaseConfig):
+class ProposalConfig(TwistTargetConfig):
     r"""
     Configuration class for [`~trl_ext.ProposalTrainer`].
 
@@ -114,35 +102,13 @@ class ProposalConfig(_BaseConfig):
 
     # ------------------------------------------------------------------------------------- TrainingArguments
     learning_rate: float = field(default=3e-5, metadata={"help": "Learning rate of the proposal (AdamW by default)."})
-    gradient_checkpointing: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Deprecated alias of `activation_checkpointing`. Activation checkpointing is on by default (as "
-            "in TRL's configs): set either to False to turn it off."
-        },
-    )
 
     # ------------------------------------------------------------------------------------ proposal & loss
-    parameterization: str = field(
-        default="policy_psi_q_p_s_t",
-        metadata={
-            "help": "Twist parameterisation: 'policy_psi_q_p_s_t' (log q - log p_ref per token), "
-            "'policy_psi_q_p_s_1_to_t', 'policy_psi_unnorm', 'modulation_model', 'modulation_linear_head', "
-            "'modulation_nn_head' / 'modulation_mlp_head' (q ∝ p_ref·exp(m); a plain model is wrapped)."
-        },
-    )
     loss_type: str = field(
         default="ctl",
         metadata={
             "help": "Twist loss: 'ctl', 'ctl_no_second_term', 'sixo' (exact, samples the reference too), "
             "'sixo_approx', 'dpg', or a loss registered with kind 'twist'."
-        },
-    )
-    loss_aggregation: Literal["seq-mean-token-mean", "seq-mean-token-sum", "token-mean"] = field(
-        default="seq-mean-token-mean",
-        metadata={
-            "help": "Reduction of per-token losses: 'seq-mean-token-mean' (the original's), 'seq-mean-token-sum' or "
-            "'token-mean' (within each micro-step's rollout)."
         },
     )
     modulation_init_scale_divider: float = field(
@@ -154,55 +120,7 @@ class ProposalConfig(_BaseConfig):
         metadata={"help": "When the trainer builds a model/linear_head modulation: start it from the base LM head."},
     )
 
-    # -------------------------------------------------------------------------------------------- target
-    target_dist_beta: float = field(
-        default=-10.0,
-        metadata={
-            "help": "beta of the target sigma ∝ p_ref·exp(beta·R). With rm_type='rlhf' (higher = better), beta < 0 "
-            "targets the reference's low-reward (bad) outputs (RePULSe; the paper uses -1 ... -30), beta > 0 the "
-            "high-reward ones, beta = 0 gives sigma = p_ref."
-        },
-    )
-    rm_type: str = field(
-        default="rlhf",
-        metadata={
-            "help": "Raw score -> R: 'rlhf' (min(r, reward_cap)), 'indicator_below_threshold' "
-            "(log(1[r < reward_threshold] + 1e-16); needs beta > 0) or 'toxicity_class_logprob' (-softplus(r))."
-        },
-    )
-    reward_cap: float | None = field(default=None, metadata={"help": "Cap of R for rm_type='rlhf' (None: none)."})
-    reward_threshold: float | None = field(
-        default=None, metadata={"help": "Threshold of rm_type='indicator_below_threshold'."}
-    )
-    missing_eos_penalty: float | None = field(
-        default=None,
-        metadata={"help": "Subtracted from the raw score of responses without a stop token (>= 0; None: off)."},
-    )
-
-    # ---------------------------------------------------------------------------------------- generation
-    num_samples_per_prompt: int = field(
-        default=4,
-        metadata={"help": "Responses N per prompt (>= 2: the sigma-weights are normalised over the N samples)."},
-    )
-    response_length: int = field(default=20, metadata={"help": "Maximum number of new tokens per response."})
-    temperature: float = field(
-        default=1.0,
-        metadata={"help": "Sampling temperature of q (1.0: pure ancestral sampling, as the target assumes)."},
-    )
-    stop_token: Literal["eos"] | None = field(
-        default=None,
-        metadata={"help": "'eos' stops responses at the tokenizer's eos token; exclusive with stop_token_id."},
-    )
-    stop_token_id: int | None = field(default=None, metadata={"help": "Id of the stop token."})
-    local_rollout_forward_batch_size: int = field(
-        default=64, metadata={"help": "Rows per generation call and per no-grad scoring pass."}
-    )
-    ds3_gather_for_generation: bool = field(
-        default=True, metadata={"help": "Under DeepSpeed ZeRO-3, gather the weights once per generation call."}
-    )
-
     # ---------------------------------------------------------------------------------------- data & length
-    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes used to tokenise the prompts."})
     total_episodes: int | None = field(
         default=None,
         metadata={
@@ -216,44 +134,16 @@ class ProposalConfig(_BaseConfig):
     )
     push_to_hub: bool = field(default=False, metadata={"help": "Whether to push the proposal to the Hub."})
 
-    def __post_init__(self):
-        if self.bf16 is None and not self.fp16 and (self.use_cpu or not _has_accelerator()):
-            self.bf16 = False
-            logger.info("ProposalConfig: no GPU found (or use_cpu=True): bf16 defaults to False.")
-        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
-            self.activation_checkpointing = True  # TRL's configs default to checkpointing on
-        self._validate()
-        super().__post_init__()
-
     # ------------------------------------------------------------------------------------------- checks
     def _validate(self) -> None:
-        def fail(message: str) -> None:
-            raise ValueError(f"ProposalConfig: {message}")
-
+        super()._validate()
+        fail = self._fail
         if self.num_samples_per_prompt < 2:
             fail(
                 f"num_samples_per_prompt={self.num_samples_per_prompt}: twist losses normalise importance weights "
                 "over the samples of each prompt, which carry no signal with a single sample; set it to at least 2."
             )
-        if self.response_length < 1:
-            fail(f"response_length={self.response_length}: set response_length >= 1.")
-        if not self.temperature > 0:
-            fail(f"temperature={self.temperature}: set temperature > 0.")
-        if self.stop_token is not None and self.stop_token_id is not None:
-            fail("both stop_token and stop_token_id are set; set only one.")
-        if self.stop_token not in (None, "eos"):
-            fail(f"unknown stop_token {self.stop_token!r}; allowed: 'eos' or None (use stop_token_id for an id).")
-        if self.local_rollout_forward_batch_size < 1:
-            fail(f"local_rollout_forward_batch_size={self.local_rollout_forward_batch_size}: set it to at least 1.")
-        if self.missing_eos_penalty is not None and self.missing_eos_penalty < 0:
-            fail(f"missing_eos_penalty={self.missing_eos_penalty} must be >= 0 (it is subtracted from the score).")
-        if self.loss_aggregation not in AGGREGATIONS:
-            fail(f"unknown loss_aggregation {self.loss_aggregation!r}; choose one of {', '.join(AGGREGATIONS)}.")
-        if self.parameterization not in TWIST_PARAMETERIZATIONS:
-            fail(
-                f"unknown parameterization {self.parameterization!r}; choose one of "
-                f"{', '.join(TWIST_PARAMETERIZATIONS)}."
-            )
+        self._check_choice("parameterization", TWIST_PARAMETERIZATIONS)
         if self.loss_type not in available_losses("twist"):
             fail(
                 f"unknown loss_type {self.loss_type!r}: use a loss registered with kind 'twist' (registered: "
@@ -277,8 +167,6 @@ class ProposalConfig(_BaseConfig):
             )
         if not math.isfinite(self.target_dist_beta):
             fail(f"target_dist_beta={self.target_dist_beta} must be a finite number.")
-        if self.rm_type not in RM_TYPES:
-            fail(f"unknown rm_type {self.rm_type!r}; choose one of {', '.join(RM_TYPES)}.")
         try:
             self.reward_shaping()
         except ValueError as err:

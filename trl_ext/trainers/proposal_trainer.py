@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import textwrap
 import time
 from typing import NamedTuple
@@ -28,20 +27,19 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
-from transformers.trainer_utils import enable_full_determinism, set_seed
-from trl.trainer import disable_dropout_in_model
 from trl.trainer.base_trainer import _BaseTrainer
 
-from ..models.lora import adapters_disabled, is_peft_model, reference_is_base_with_adapters_disabled
+from ..models.lora import adapters_disabled, reference_is_base_with_adapters_disabled
 from ..models.modulated import ModulatedCausalLM
 from ..models.modulated_utils import load_modulation_state_dict
 from ..models.twist import MODULATION_PARAMETERIZATIONS, modulation_kind_of
 from . import checkpoint as ckpt
-from .data import PromptCollator, RolloutSampler, check_pad_token, left_padded, prepare_prompt_dataset, tokenizer_of
-from .ppo_metrics import log_completions_table, print_completions_table
+from .data import left_padded
+from .model_parts import add_adapters, shares_parameters
+from .online import OnlineTrainerMixin, forked_rng
 from .proposal_config import ProposalConfig
 from .proposal_metrics import ProposalMetrics, proposal_diagnostics
-from .rollout import ReferencePolicy, Rollout, RolloutGenerator, RolloutReward, SamplingSettings, generate_responses
+from .rollout import ReferencePolicy, Rollout, RolloutReward, generate_responses, supports_logits_to_keep
 from .twist_step import TwistLossOutput, twist_loss, validate_twist_setup
 
 __all__ = ["ProposalRewards", "ProposalTrainer"]
@@ -72,7 +70,7 @@ class _AdaptersDisabled(nn.Module):
             return base(**kwargs)
 
 
-class ProposalTrainer(_BaseTrainer):
+class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
     """Trainer of a proposal (twist) ``q`` towards ``σ ∝ p_ref·exp(β·R)``, with CTL, DPG or SIXO.
 
     Args:
@@ -112,6 +110,8 @@ class ProposalTrainer(_BaseTrainer):
     }
     # Each micro-step's loss is the mean over its own rollout: `Trainer` divides it by the accumulation steps.
     loss_is_scaled_for_ga = False
+    _config_class = ProposalConfig
+    _saved_models = "the proposal"
 
     def __init__(
         self,
@@ -126,44 +126,19 @@ class ProposalTrainer(_BaseTrainer):
         optimizers: tuple = (None, None),
         peft_config=None,
     ) -> None:
-        if not isinstance(args, ProposalConfig):
-            raise TypeError(f"args must be a trl_ext ProposalConfig, got {type(args).__name__}.")
-        if train_dataset is None:
-            raise ValueError("`train_dataset` is required: a dataset with a 'prompt' or an 'input_ids' column.")
-        if reward_model is None:
-            raise ValueError("`reward_model` is required (a reward model, a reward function, a callable or a URL).")
         if ref_model is not None and ref_model is model:
             raise ValueError(
                 "`model` and `ref_model` cannot be the same object: the reference must stay frozen. Pass a separate "
                 "copy, or ref_model=None for a frozen copy of the initial model."
             )
-        if args.load_best_model_at_end:
-            raise ValueError("load_best_model_at_end is not supported by ProposalTrainer (there is no eval loss).")
-        self.tokenizer = tokenizer_of(processing_class)
-        check_pad_token(self.tokenizer)
-        self.stop_token_id = self.tokenizer.eos_token_id if args.stop_token == "eos" else args.stop_token_id
+        self._begin_setup(args, processing_class, train_dataset, reward_model)
         self._needs = validate_twist_setup(args.parameterization, args.loss_type)
         self.reward_shaping = args.reward_shaping()
-
-        # Seeded before any weight is created here (a fresh modulation, LoRA adapters), as `Trainer` does for
-        # `model_init`, so they are reproducible from `args.seed`.
-        enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
         model, self.reference = self._build_models(args, model, ref_model, peft_config)
         self.ref_model, self.reward_model = self.reference.model, reward_model
-        for module in (model, self.ref_model, reward_model):
-            if isinstance(module, nn.Module):
-                disable_dropout_in_model(module)
+        self._disable_dropout(model, self.ref_model, reward_model)
 
-        train_dataset = prepare_prompt_dataset(train_dataset, self.tokenizer, num_proc=args.dataset_num_proc)
-        if isinstance(eval_dataset, dict):
-            eval_dataset = {
-                k: prepare_prompt_dataset(v, self.tokenizer, num_proc=args.dataset_num_proc, name=f"eval_dataset[{k}]")
-                for k, v in eval_dataset.items()
-            }
-        elif eval_dataset is not None:
-            eval_dataset = prepare_prompt_dataset(
-                eval_dataset, self.tokenizer, num_proc=args.dataset_num_proc, name="eval_dataset"
-            )
+        train_dataset, eval_dataset = self._prepare_datasets(args, train_dataset, eval_dataset)
         if args.max_steps <= 0 and args.total_episodes is not None:
             args.max_steps = args.steps_for_episodes()
         prompts_per_step = args.per_device_train_batch_size * args.world_size
@@ -173,37 +148,13 @@ class ProposalTrainer(_BaseTrainer):
                 f"(per_device_train_batch_size={args.per_device_train_batch_size} × {args.world_size} processes); add "
                 "prompts or lower per_device_train_batch_size."
             )
-        if hasattr(model, "add_model_tags"):
-            model.add_model_tags(self._tag_names)
-        super().__init__(
-            model=model,
-            args=args,
-            data_collator=PromptCollator(self.tokenizer.pad_token_id),
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            callbacks=callbacks,
-            optimizers=optimizers,
-        )
-        self._place_frozen_models()
-        self._sampling = SamplingSettings(
-            max_new_tokens=args.response_length,
-            pad_token_id=self.tokenizer.pad_token_id,
-            temperature=args.temperature,
-            stop_token_ids=(self.stop_token_id,) if self.stop_token_id is not None else None,
-            eos_token_id=self.tokenizer.eos_token_id,
-            num_samples_per_prompt=args.num_samples_per_prompt,
-        )
-        self.rollout_generator = RolloutGenerator(
-            self._sampling,
-            RolloutReward(self.reward_model, self.tokenizer),
-            self.reference,
-            forward_batch_size=args.local_rollout_forward_batch_size,
-            accelerator=self.accelerator,
-            missing_eos_penalty=args.missing_eos_penalty,
-            gather_deepspeed3_params=args.ds3_gather_for_generation,
-            gradient_checkpointing_kwargs=args.activation_checkpointing_kwargs,
-        )
+        self._init_trainer(
+            model, model, args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+            processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
+        )  # fmt: skip
+        self._sampling = self._sampling_settings(args)
+        reward = RolloutReward(self.reward_model, self.tokenizer)
+        self.rollout_generator = self._rollout_generator(reward, self.reference)
         self._metrics = ProposalMetrics()
         self._micro_step: int | None = None
 
@@ -241,92 +192,35 @@ class ProposalTrainer(_BaseTrainer):
                     f"ModulatedCausalLM; use parameterization='modulation_{model.config.modulation_kind}'."
                 )
             if peft_config is not None:
-                from peft import PeftConfig, get_peft_model
-
-                if not isinstance(peft_config, PeftConfig):
-                    raise TypeError(f"peft_config must be a peft.PeftConfig, got {type(peft_config).__name__}.")
-                if is_peft_model(model):
-                    raise ValueError(
-                        "You passed a PeftModel together with a peft_config: merge and unload the existing adapter "
-                        "first, or pass the PeftModel without peft_config."
-                    )
-                model = get_peft_model(model, peft_config)
+                model = add_adapters(model, peft_config)
             if ref_model is None and reference_is_base_with_adapters_disabled(model, None):
                 return model, ReferencePolicy()
             if ref_model is None:
                 ref_model = copy.deepcopy(model)
                 logger.info("No ref_model given: p_ref is a frozen copy of the initial proposal.")
         own_base = isinstance(model, ModulatedCausalLM) and ref_model is model.base_lm
-        if not own_base and {id(p) for p in ref_model.parameters()} & {id(p) for p in model.parameters()}:
+        if not own_base and shares_parameters(ref_model, model):
             raise ValueError("ref_model shares parameters with model: the reference must be a separate frozen copy.")
         ref_model.requires_grad_(False).eval()
         return model, ReferencePolicy(ref_model)
 
-    def _place_frozen_models(self) -> None:
-        """Put a separate reference and the reward model where ``q`` is (DeepSpeed-prepared under DeepSpeed)."""
+    def _frozen_modules(self) -> dict[str, nn.Module]:
+        """The reward model and a separate reference (a modulation's own base is part of ``q`` already)."""
+        modules = super()._frozen_modules()
         q = self.accelerator.unwrap_model(self.model)
-        modules = {"reward_model": self.reward_model} if isinstance(self.reward_model, nn.Module) else {}
-        own_base = isinstance(q, ModulatedCausalLM) and self.ref_model is q.base_lm
-        if self.ref_model is not None and not own_base:
-            modules["ref_model"] = self.ref_model
-        for name, module in modules.items():
-            if self.is_deepspeed_enabled:
-                from trl.models import prepare_deepspeed
-
-                module = prepare_deepspeed(module, self.accelerator)
-            else:
-                module = module.to(self.accelerator.device)
-            setattr(self, name, module)
-        self.reference.model = self.ref_model
-        if isinstance(self.reward_model, nn.Module):
-            self.reward_model.eval()
+        if isinstance(q, ModulatedCausalLM) and self.ref_model is q.base_lm:
+            modules.pop("ref_model", None)
+        return modules
 
     def _reference_module(self) -> nn.Module:
         """``p_ref`` as a module for DPG's all-vocabulary log-probs (the LoRA base under PEFT)."""
         if self.ref_model is not None:
             return self.ref_model
-        from .rollout import supports_logits_to_keep
-
         return _AdaptersDisabled(self.model, supports_logits_to_keep(self.model))
 
     # ------------------------------------------------------------------------------------- Trainer plumbing
-    def get_train_dataloader(self) -> DataLoader:
-        """``per_device_train_batch_size`` prompts per process and micro-step, in a seeded order per epoch."""
-        args = self.args
-        sampler = RolloutSampler(
-            len(self.train_dataset),
-            args.per_device_train_batch_size * args.world_size,
-            repeat=1,
-            seed=args.data_seed if args.data_seed is not None else args.seed,
-        )
-        loader = DataLoader(
-            self.train_dataset,
-            batch_size=args.per_device_train_batch_size,
-            sampler=sampler,
-            collate_fn=self.data_collator,
-            num_workers=args.dataloader_num_workers,
-            pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
-        )
-        return self.accelerator.prepare(loader)
-
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        """`Trainer.train`; ``resume_from_checkpoint=True`` picks the newest *complete* checkpoint."""
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = ckpt.last_complete_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"No complete checkpoint (with trainer_state.json) in {self.args.output_dir}.")
-        elif resume_from_checkpoint:
-            if not ckpt.is_complete_checkpoint(resume_from_checkpoint):
-                raise ValueError(
-                    f"{resume_from_checkpoint} is not a complete checkpoint (no trainer_state.json); resume from an "
-                    "earlier one, or pass resume_from_checkpoint=True."
-                )
-        else:
-            resume_from_checkpoint = None
-            # Each process samples with its own seed (the same seed would draw the same responses everywhere).
-            torch.manual_seed(self.args.seed + 100003 * self.accelerator.process_index)
+    def _start_training(self, resume_from_checkpoint: str | None) -> None:
         self._micro_step = None
-        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # `Trainer`'s loader expects the full weights of the module it trains; a modulation checkpoint holds only the
@@ -343,35 +237,14 @@ class ProposalTrainer(_BaseTrainer):
         else:
             ckpt.load_policy_and_value(q, None, resume_from_checkpoint)
 
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Save ``q`` in HF format at ``output_dir`` (a modulation saves only its own weights, a PEFT model its
-        adapter), with the tokenizer and the training arguments; push with ``push_to_hub``."""
-        output_dir = os.path.normpath(output_dir if output_dir is not None else self.args.output_dir)
-        state_dict = None
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            engine = self.deepspeed if self.is_deepspeed_enabled else self.model
-            try:
-                state_dict = {f"policy.{k}": v for k, v in self.accelerator.get_state_dict(engine).items()}
-            except ValueError:
-                logger.warning(
-                    "Could not gather the full weights (ZeRO-3 without stage3_gather_16bit_weights_on_model_save): "
-                    "the proposal is not written in HF format; the DeepSpeed engine checkpoint holds it."
-                )
-                state_dict = False
-        if self.args.should_save and state_dict is not False:
-            ckpt.save_policy_and_value(
-                self.accelerator.unwrap_model(self.model),
-                None,
-                output_dir,
-                state_dict=state_dict,
-                processing_class=self.processing_class,
-                extra_files={"training_args.bin": self.args},
-            )
-        if not _internal_call:
-            hub_id = self.args.hub_model_id
-            self.create_model_card(model_name=hub_id.split("/")[-1] if hub_id else os.path.basename(output_dir))
-            if self.args.push_to_hub:
-                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+    def _write_models(self, output_dir: str, state_dict: dict | None) -> None:
+        """``q`` in HF format (a modulation saves only its own weights, a PEFT model its adapter)."""
+        if state_dict is not None:
+            state_dict = {f"policy.{k}": v for k, v in state_dict.items()}
+        ckpt.save_policy_and_value(
+            self.accelerator.unwrap_model(self.model), None, output_dir, state_dict=state_dict,
+            processing_class=self.processing_class, extra_files={"training_args.bin": self.args},
+        )  # fmt: skip
 
     # ------------------------------------------------------------------------------------- the training step
     def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
@@ -503,17 +376,8 @@ class ProposalTrainer(_BaseTrainer):
 
     # ----------------------------------------------------------------------------------- samples & evaluation
     def _eval_loader(self, dataset) -> DataLoader | None:
-        if dataset is not None and not isinstance(dataset, dict) and "input_ids" not in dataset.column_names:
-            dataset = prepare_prompt_dataset(dataset, self.tokenizer, name="dataset")
-        dataset = dataset if dataset is not None else self.eval_dataset
-        if isinstance(dataset, dict):
-            dataset = next(iter(dataset.values()), None)
-        if dataset is None:
-            return None
-        collator = PromptCollator(self.tokenizer.pad_token_id)
-        return self.accelerator.prepare(
-            DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, collate_fn=collator)
-        )
+        dataset = self._eval_prompts(dataset)
+        return self._eval_dataloader(dataset) if dataset is not None else None
 
     @torch.no_grad()
     def generate_completions(self, dataset=None) -> list[dict] | None:
@@ -523,29 +387,13 @@ class ProposalTrainer(_BaseTrainer):
         loader = self._eval_loader(dataset)
         if loader is None:
             return None
-        rows = []
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):
+        settings = copy.copy(self._sampling)
+        settings.num_samples_per_prompt = 1
+        with forked_rng():
             batch = next(iter(loader))
             ids, mask = left_padded(batch["input_ids"], batch["attention_mask"], self.tokenizer.pad_token_id)
-            settings = copy.copy(self._sampling)
-            settings.num_samples_per_prompt = 1
-            with self.rollout_generator._generation_model(self.model_wrapped) as q:
-                responses, response_mask, _ = generate_responses(
-                    q, ids, mask, settings, self.args.local_rollout_forward_batch_size
-                )
-            scores = self.rollout_generator.reward(ids, mask, responses, response_mask)
-            prompts = self.tokenizer.batch_decode([r[m != 0] for r, m in zip(ids, mask)], skip_special_tokens=True)
-            texts = self.tokenizer.batch_decode([r[m != 0] for r, m in zip(responses, response_mask)])
-            for prompt, text, score in zip(prompts, texts, scores.tolist()):
-                rows.append({"query": prompt, "proposal response": text, "score": score})
-        from accelerate.utils import gather_object
-
-        rows = gather_object(rows)
-        if self.accelerator.is_main_process:
-            print_completions_table(rows, title=f"Proposal samples at step {self.state.global_step}")
-            log_completions_table(rows, self.args.report_to)
-        return rows
+            rows = self._completion_rows(ids, mask, settings, "proposal response")
+        return self._publish_completions(rows, "Proposal samples")
 
     @torch.no_grad()
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
@@ -558,8 +406,7 @@ class ProposalTrainer(_BaseTrainer):
         loader = self._eval_loader(eval_dataset)
         totals: dict[str, float] = {}
         batches = 0
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):
+        with forked_rng():
             for batch in loader if loader is not None else []:
                 ids, mask = left_padded(batch["input_ids"], batch["attention_mask"], self.tokenizer.pad_token_id)
                 rollout = self.rollout(self.model_wrapped, ids, mask)

@@ -46,8 +46,10 @@ __all__ = [
     "RolloutGenerator",
     "RolloutReward",
     "SamplingSettings",
+    "causal_lm_outputs",
     "forward_response",
     "generate_responses",
+    "rollout_logprobs",
     "supports_logits_to_keep",
 ]
 
@@ -280,6 +282,21 @@ def supports_logits_to_keep(model: nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
+def causal_lm_outputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, last: int):
+    """One forward pass of a causal LM over (possibly left-padded) rows, positions taken from the mask, no KV cache;
+    only the ``last`` logits are computed when the model supports ``logits_to_keep`` (callers slice the last ``last``
+    positions either way). Returns the model's output."""
+    kwargs = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids_from_attention_mask(attention_mask),
+        "use_cache": False,
+    }
+    if supports_logits_to_keep(model):
+        kwargs["logits_to_keep"] = last
+    return model(**kwargs)
+
+
 def forward_response(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -300,15 +317,7 @@ def forward_response(
     flow through log-probs and values (entropies are computed without gradient, for logging).
     """
     T = response_length
-    kwargs = {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": position_ids_from_attention_mask(attention_mask),
-        "use_cache": False,
-    }
-    if supports_logits_to_keep(model):
-        kwargs["logits_to_keep"] = T + 1
-    out = model(**kwargs)
+    out = causal_lm_outputs(model, input_ids, attention_mask, T + 1)
     # The last T + 1 positions, whole: slicing off the final one would make the logits non-contiguous, and every pass
     # over them (log-probs forward and backward, entropy) would then copy them. The final position gets the ignored
     # label instead (log-prob exactly 0, no gradient) and is dropped from the results.
@@ -329,6 +338,19 @@ def forward_response(
             entropy = entropy_from_logits(logits.detach(), keep_all, temperature=temperature, chunk_size=chunk_size)
             result.entropy = entropy[:, :T]
     return result
+
+
+@torch.no_grad()
+def rollout_logprobs(model: nn.Module, rollout: Rollout, batch_size: int, temperature: float) -> torch.Tensor:
+    """``(B, T)`` fp32 log-probs of ``model`` at the responses of ``rollout`` (:func:`forward_response`, no gradient,
+    ``batch_size`` rows per pass). The caller sets the model's mode and any autocast."""
+    parts = []
+    for chunk in rollout.split(batch_size):
+        out = forward_response(
+            model, chunk.input_ids, chunk.attention_mask, chunk.response_length, temperature=temperature
+        )
+        parts.append(out.logprobs.float())
+    return torch.cat(parts)
 
 
 class ReferencePolicy:

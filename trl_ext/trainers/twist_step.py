@@ -40,8 +40,7 @@ from ..models.twist import (
     twist_values,
 )
 from ..ops.logprobs import DEFAULT_CHUNK_SIZE, entropy_from_logits, full_logprobs, logprobs_from_logits
-from ..ops.sequences import position_ids_from_attention_mask
-from .rollout import supports_logits_to_keep
+from .rollout import causal_lm_outputs
 
 __all__ = [
     "TWIST_BATCH_KEYS",
@@ -270,15 +269,7 @@ def _response_outputs(model: nn.Module, batches: list[dict]) -> list[tuple[torch
     """One forward of ``model`` over all ``batches``: per batch, the ``(B, T, V)`` logits that score the response
     tokens and (for a modulated model) the ``(B, T, V)`` modulation logits."""
     ids, mask, t_max = _common_layout(batches)
-    kwargs = {
-        "input_ids": ids,
-        "attention_mask": mask,
-        "position_ids": position_ids_from_attention_mask(mask),
-        "use_cache": False,
-    }
-    if supports_logits_to_keep(model):
-        kwargs["logits_to_keep"] = t_max + 1
-    out = model(**kwargs)
+    out = causal_lm_outputs(model, ids, mask, t_max + 1)
     logits = out.logits[:, -(t_max + 1) : -1]
     modulation = getattr(out, "modulation_logits", None)
     if modulation is not None:

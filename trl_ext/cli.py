@@ -1,0 +1,158 @@
+"""What the command-line recipes (`recipes/ppo.py`, `recipes/proposal.py`, `recipes/harmlessness.py`) share.
+
+Each recipe is a thin script run with ``accelerate launch recipes/<name>.py --config file.yaml [--flag value ...]``:
+it parses its option dataclasses (:func:`make_parser`), loads the models and the prompts, builds one trainer and
+calls :func:`train_and_save`. The loading steps that are the same in every recipe live here (in the package, so that
+a recipe imports them however it is launched):
+
+- :func:`load_prompts` / :func:`train_and_eval_splits`: ``--dataset_name`` as a Hub id, a saved folder or a single
+  local ``.json`` / ``.jsonl`` / ``.csv`` / ``.parquet`` file, split into the training prompts and (when evaluation
+  is on) the test split;
+- :func:`model_load_kwargs`, :func:`load_tokenizer`, :func:`load_policy_and_reference`: TRL's `ModelConfig`
+  (``--dtype``, ``--model_revision``, 4/8-bit, ``--use_peft``) applied to the causal LMs;
+- :class:`RewardScriptArguments` and :func:`lexical_reward`: ``--reward_model_path`` or a lexical word list.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from trl import ModelConfig, ScriptArguments, TrlParser
+
+__all__ = [
+    "RewardScriptArguments",
+    "lexical_reward",
+    "load_policy_and_reference",
+    "load_prompts",
+    "load_tokenizer",
+    "make_parser",
+    "model_load_kwargs",
+    "processes_text",
+    "train_and_eval_splits",
+    "train_and_save",
+]
+
+FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+_EPILOG = (
+    "--config FILE.yaml reads options from a YAML file (keys are the option names above); flags given on the command "
+    "line override its values."
+)
+
+
+def make_parser(dataclass_types: tuple, description: str) -> TrlParser:
+    """A recipe's argument parser over ``dataclass_types`` (``--config file.yaml`` supported)."""
+    return TrlParser(dataclass_types, description=description, epilog=_EPILOG)
+
+
+# ----------------------------------------------------------------------------------------------------- data
+def load_prompts(script_args: ScriptArguments):
+    """The dataset dict named by `--dataset_name`: a Hub id, a saved folder or a single local data file."""
+    from datasets import load_dataset
+
+    name = script_args.dataset_name
+    if name is None:
+        raise ValueError("Pass --dataset_name: a Hub dataset id, a local folder or a .json/.jsonl/.csv/.parquet file.")
+    file_format = FILE_FORMATS.get(os.path.splitext(name)[1].lower())
+    if file_format is not None and os.path.isfile(name):
+        return load_dataset(file_format, data_files={script_args.dataset_train_split: name})
+    return load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
+
+
+def train_and_eval_splits(script_args: ScriptArguments, training_args):
+    """``(train_dataset, eval_dataset)`` of :func:`load_prompts`; the eval split only when ``eval_strategy`` is not
+    ``"no"`` and the dataset has ``--dataset_test_split`` (else ``None``)."""
+    dataset = load_prompts(script_args)
+    eval_dataset = None
+    if training_args.eval_strategy != "no" and script_args.dataset_test_split in dataset:
+        eval_dataset = dataset[script_args.dataset_test_split]
+    return dataset[script_args.dataset_train_split], eval_dataset
+
+
+# --------------------------------------------------------------------------------------------------- models
+def model_load_kwargs(model_args: ModelConfig) -> dict:
+    """Keyword arguments of `trl_ext.models.load_causal_lm` from TRL's `ModelConfig`."""
+    return {
+        "dtype": model_args.dtype,
+        "revision": model_args.model_revision,
+        "attn_implementation": model_args.attn_implementation,
+        "load_in_4bit": model_args.load_in_4bit,
+        "load_in_8bit": model_args.load_in_8bit,
+    }
+
+
+def load_tokenizer(path: str, model_args: ModelConfig):
+    """The policy's tokenizer, left-padded for generation, with ``pad = eos`` when it has no pad token (the trainers
+    read masks from attention masks and rewards at the last real token, so that is safe)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=model_args.model_revision, padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_policy_and_reference(path: str, model_args: ModelConfig, peft_config):
+    """``(policy, reference)`` loaded from ``path``; the reference is ``None`` under PEFT (the trainers then use the
+    policy with its adapters disabled)."""
+    from .models import load_causal_lm
+
+    kwargs = model_load_kwargs(model_args)
+    policy = load_causal_lm(path, **kwargs)
+    return policy, (None if peft_config is not None else load_causal_lm(path, **kwargs))
+
+
+# -------------------------------------------------------------------------------------------------- rewards
+@dataclass
+class RewardScriptArguments(ScriptArguments):
+    """TRL's dataset arguments plus the reward: a reward model or a lexical word list (exactly one)."""
+
+    reward_model_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "Reward model checkpoint (local folder or Hub id; a 1-label sequence classifier or an "
+            "OpenRLHF-style value-head checkpoint); or use --lexical_words."
+        },
+    )
+    lexical_words: list[str] | None = field(
+        default=None,
+        metadata={"help": "Lexical reward instead of a model: a response containing one of these words is bad."},
+    )
+    lexical_present_reward: float = field(
+        default=-1.0, metadata={"help": "Raw reward of a response that contains one of `lexical_words`."}
+    )
+    lexical_absent_reward: float = field(default=0.0, metadata={"help": "Raw reward of any other response."})
+
+
+def lexical_reward(script_args: RewardScriptArguments):
+    """The `LexicalReward` of ``--lexical_words``, or ``None`` when ``--reward_model_path`` names a reward model.
+
+    Raises:
+        ValueError: both or neither are given.
+    """
+    if (script_args.lexical_words is None) == (script_args.reward_model_path is None):
+        raise ValueError("Pass exactly one of --reward_model_path (a reward model) and --lexical_words (a word list).")
+    if script_args.lexical_words is None:
+        return None
+    from .rewards import LexicalReward
+
+    return LexicalReward(
+        words=script_args.lexical_words,
+        present_reward=script_args.lexical_present_reward,
+        absent_reward=script_args.lexical_absent_reward,
+    )
+
+
+# ------------------------------------------------------------------------------------------------- training
+def train_and_save(trainer, training_args) -> None:
+    """Train (``--resume_from_checkpoint`` may be a folder, or ``true`` / ``last`` for the newest complete checkpoint
+    in ``--output_dir``), then save the final model(s) to ``--output_dir`` (pushed with ``--push_to_hub``)."""
+    resume = training_args.resume_from_checkpoint
+    trainer.train(resume_from_checkpoint=True if resume in ("true", "True", "last") else resume)
+    trainer.save_model(training_args.output_dir)
+
+
+def processes_text(trainer) -> str:
+    """``"1 process"`` / ``"N processes"``: how many processes trained (for the recipes' summary lines)."""
+    processes = trainer.accelerator.num_processes
+    return f"{processes} process{'es' * (processes > 1)}"
