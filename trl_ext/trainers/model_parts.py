@@ -10,6 +10,7 @@ builders share (:func:`add_adapters`, :func:`shares_parameters`).
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 
 import torch
@@ -42,14 +43,14 @@ def add_adapters(model: nn.Module, peft_config, what: str = "model", prepare: Ca
     return get_peft_model(model, peft_config)
 
 
-class ModelParts(nn.Module):
+class ModelParts(nn.Module, abc.ABC):
     """A module made of several trained models; subclasses set ``self.policy`` and implement :meth:`parts`."""
 
     supports_logits_to_keep: bool = False
 
+    @abc.abstractmethod
     def parts(self) -> list[nn.Module]:
         """The models held (``None`` entries left out)."""
-        raise NotImplementedError
 
     @property
     def config(self):

@@ -14,6 +14,7 @@ expects ``self.tokenizer``, ``self.reference``, ``self.ref_model`` and ``self.re
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import inspect
 import logging
@@ -54,7 +55,7 @@ def forked_rng() -> Iterator[None]:
         yield
 
 
-class OnlineTrainerMixin:
+class OnlineTrainerMixin(abc.ABC):
     """Setup, data, resume and save steps shared by the online trainers (see the module docs)."""
 
     _config_class: type = object
@@ -210,7 +211,9 @@ class OnlineTrainerMixin:
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
 
     def _start_training(self, resume_from_checkpoint: str | None) -> None:
-        """Reset the trainer's own step state before `Trainer.train` (the checkpoint resumed from, or ``None``)."""
+        """Reset the trainer's own step state before `Trainer.train` (the checkpoint resumed from, or ``None``).
+        Nothing to reset by default."""
+        return None
 
     # ----------------------------------------------------------------------------------------------- saving
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -244,9 +247,9 @@ class OnlineTrainerMixin:
             return None, False
         return state_dict, state_dict is not None
 
+    @abc.abstractmethod
     def _write_models(self, output_dir: str, state_dict: dict | None) -> None:
         """Write the trained model(s) to ``output_dir`` (``state_dict``: the gathered weights, or ``None``)."""
-        raise NotImplementedError
 
     # ---------------------------------------------------------------------------------------- sample tables
     @torch.no_grad()
