@@ -300,3 +300,34 @@ def test_entropy_mask_uniform_inf_and_non_contiguous():
     y = logits.clone().requires_grad_(True)
     entropy_from_logits(y).sum().backward()
     assert torch.isfinite(y.grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_return_entropy_same_pass(dtype, temperature):
+    logits, labels = _data(seed=21, dtype=dtype)
+    logits[0, 1, 3:] = float("-inf")  # p = 0 entries contribute nothing (no NaN)
+    labels[0, 1], labels[2, 4] = 1, -100
+    x = logits.clone().requires_grad_(True)
+    logprobs, ent = logprobs_from_logits(x, labels, temperature=temperature, chunk_size=2, return_entropy=True)
+    assert not ent.requires_grad and ent.dtype == logprobs.dtype == _compute_dtype_of(dtype)
+    atol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(ent.double(), _entropy_reference(logits, temperature), atol=atol)
+    assert torch.allclose(logprobs, logprobs_from_logits(logits, labels, temperature=temperature), atol=0, rtol=0)
+    logprobs.sum().backward()  # the entropy output does not disturb the log-prob gradient
+    y = logits.clone().requires_grad_(True)
+    logprobs_from_logits(y, labels, temperature=temperature).sum().backward()
+    assert torch.equal(x.grad, y.grad)
+
+
+def _compute_dtype_of(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def test_entropy_no_grad_path_equals_graph_path():
+    logits, _ = _data(seed=22)
+    logits[1, 2, :5] = float("-inf")
+    fast = entropy_from_logits(logits, temperature=0.8, chunk_size=4)
+    slow = entropy_from_logits(logits.clone().requires_grad_(True), temperature=0.8, chunk_size=4)
+    assert slow.requires_grad and not fast.requires_grad
+    assert torch.allclose(fast, slow.detach(), atol=1e-5)

@@ -35,7 +35,7 @@ from ..models.lora import adapters_disabled, is_peft_model
 from ..models.reward import get_sequence_scores
 from ..models.reward_functions import RewardFunction, as_reward_function
 from ..models.value_head import AutoModelForCausalLMWithValueHead
-from ..ops.logprobs import DEFAULT_CHUNK_SIZE, entropy_from_logits, logprobs_from_logits
+from ..ops.logprobs import DEFAULT_CHUNK_SIZE, logprobs_from_logits
 from ..ops.sequences import position_ids_from_attention_mask, truncate_after_stop_token
 from .sampling import SampleAndRecord
 
@@ -324,19 +324,20 @@ def forward_response(
     logits = out.logits[:, -(T + 1) :]
     keep = attention_mask[:, -T:] != 0
     labels = torch.cat([input_ids[:, -T:], torch.full_like(input_ids[:, :1], -100)], dim=1)
-    logprobs = logprobs_from_logits(logits, labels, temperature=temperature, chunk_size=chunk_size)[:, :T]
-    result = PolicyOutput(logprobs=torch.where(keep, logprobs, torch.zeros_like(logprobs)))
+    computed = logprobs_from_logits(
+        logits, labels, temperature=temperature, chunk_size=chunk_size, return_entropy=return_entropy
+    )
+    # Entropies come from the same pass over the logits, without gradient (for logging).
+    logprobs, entropy = computed if return_entropy else (computed, None)
+    result = PolicyOutput(logprobs=torch.where(keep, logprobs[:, :T], torch.zeros_like(logprobs[:, :T])))
+    if entropy is not None:
+        result.entropy = torch.where(keep, entropy[:, :T], torch.zeros_like(entropy[:, :T]))
     if return_values:
         value = getattr(out, "value", None)
         if value is None:
             raise ValueError(f"{type(model).__name__} returned no `value`: it has no critic to read values from.")
         value = value[:, -(T + 1) : -1].float()
         result.values = torch.where(keep, value, torch.zeros_like(value))
-    if return_entropy:
-        with torch.no_grad():
-            keep_all = torch.cat([keep, torch.zeros_like(keep[:, :1])], dim=1)
-            entropy = entropy_from_logits(logits.detach(), keep_all, temperature=temperature, chunk_size=chunk_size)
-            result.entropy = entropy[:, :T]
     return result
 
 
