@@ -1,9 +1,10 @@
-"""`Experience.micro_batch`: rows of the schedule, with all-padding columns dropped and nothing else changed."""
+"""`Experience.micro_batch`: rows of the schedule, with all-padding columns dropped and nothing else changed; the
+schedule, optionally grouped by length."""
 
 import torch
 
 from trl_ext.testing import build_causal_lm
-from trl_ext.trainers.experience import Experience
+from trl_ext.trainers.experience import Experience, padded_lengths, ppo_schedule
 from trl_ext.trainers.rollout import Rollout, forward_response
 
 
@@ -42,3 +43,34 @@ def test_micro_batches_drop_only_columns_that_are_padding_in_every_row(tiny_toke
     trimmed = forward_response(model, first["input_ids"], first["attention_mask"], 2)
     assert torch.allclose(full.logprobs[:, :2], trimmed.logprobs, atol=1e-6)
     assert (full.logprobs[:, 2:] == 0).all()
+
+
+def test_schedule_grouped_by_length_keeps_minibatches_and_cuts_padding():
+    torch.manual_seed(0)
+    batch, epochs, minibatches, accumulation = 32, 2, 2, 4
+    prompt_mask = (torch.arange(16)[None, :] >= 16 - torch.randint(2, 16, (batch, 1))).long()  # left-padded
+    response_mask = (torch.arange(8)[None, :] < torch.randint(1, 9, (batch, 1))).long()
+    lengths = padded_lengths(prompt_mask, response_mask)
+    assert lengths.tolist() == (prompt_mask.sum(1) + response_mask.sum(1)).tolist()
+    plain = ppo_schedule(batch, epochs, minibatches, accumulation, seed=3)
+    grouped = ppo_schedule(batch, epochs, minibatches, accumulation, seed=3, lengths=lengths)
+    assert len(plain) == len(grouped) == epochs * minibatches * accumulation
+    for i in range(0, len(plain), accumulation):  # the same rows form each minibatch, in another order
+        same = torch.cat(plain[i : i + accumulation]).sort().values
+        assert torch.equal(same, torch.cat(grouped[i : i + accumulation]).sort().values)
+        rows = torch.cat(grouped[i : i + accumulation])
+        assert (lengths[rows].diff() >= 0).all()  # sorted within the minibatch
+
+    def width(schedule):  # total trimmed micro-batch width, what the forward passes pay for
+        total = 0
+        for idx in schedule:
+            total += len(idx) * (int(prompt_mask[idx].sum(1).max()) + int(response_mask[idx].sum(1).max()))
+        return total
+
+    assert width(grouped) < 0.95 * width(plain)
+    # Responses that all reach the length limit (no EOS: common in PPO): the prompt length decides, and sorting by
+    # it removes most of the left padding.
+    response_mask = torch.ones_like(response_mask)
+    lengths = padded_lengths(prompt_mask, response_mask)
+    grouped = ppo_schedule(batch, epochs, minibatches, accumulation, seed=3, lengths=lengths)
+    assert width(grouped) < 0.9 * width(plain)

@@ -15,21 +15,40 @@ import torch
 
 from .rollout import Rollout
 
-__all__ = ["Experience", "minibatch_counts", "ppo_schedule", "schedule_position"]
+__all__ = ["Experience", "minibatch_counts", "padded_lengths", "ppo_schedule", "schedule_position"]
 
 
 def ppo_schedule(
-    batch_size: int, num_ppo_epochs: int, num_mini_batches: int, gradient_accumulation_steps: int, seed: int
+    batch_size: int,
+    num_ppo_epochs: int,
+    num_mini_batches: int,
+    gradient_accumulation_steps: int,
+    seed: int,
+    lengths: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Row indices of every micro-step: ``num_ppo_epochs × num_mini_batches × gradient_accumulation_steps`` index
-    tensors; epoch ``e`` uses the permutation of a generator seeded with ``seed + e``."""
+    tensors; epoch ``e`` uses the permutation of a generator seeded with ``seed + e``.
+
+    With ``lengths`` (``(batch_size,)`` row lengths), the rows of each minibatch are ordered by length (stable sort of
+    the shuffled rows) before being cut into micro-batches: rows of similar length share a micro-batch, whose
+    all-padding columns :meth:`Experience.micro_batch` then drops. Minibatches themselves are unchanged.
+    """
     per_minibatch = batch_size // num_mini_batches
+    lengths = None if lengths is None else lengths.detach().cpu()
     out = []
     for epoch in range(num_ppo_epochs):
         order = torch.randperm(batch_size, generator=torch.Generator().manual_seed((seed + epoch) % 2**63))
         for minibatch in order.split(per_minibatch):
+            if lengths is not None:
+                minibatch = minibatch[torch.sort(lengths[minibatch], stable=True).indices]
             out.extend(minibatch.tensor_split(gradient_accumulation_steps))
     return out
+
+
+def padded_lengths(prompt_mask: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """A row's width once its micro-batch is trimmed, as a sort key: its prompt length (left padding goes) plus its
+    response length (right padding goes)."""
+    return prompt_mask.sum(1) + response_mask.sum(1)
 
 
 def schedule_position(position: int, num_mini_batches: int, gradient_accumulation_steps: int) -> tuple[int, int, int]:

@@ -99,6 +99,10 @@ class PPOConfig(OnlineConfig):
             Number of optimisation passes over each rollout batch.
         num_mini_batches (`int`, *optional*, defaults to `1`):
             Number of minibatches to split a batch into; one optimizer step per minibatch.
+        group_by_length (`bool`, *optional*, defaults to `True`):
+            Order the rows of each minibatch by length before cutting it into micro-batches, so that each
+            micro-batch carries less padding. The minibatch, its loss and its gradient are unchanged (up to
+            floating-point summation order); only which rows share a micro-batch changes.
         total_episodes (`int`, *optional*):
             Total number of episodes (sampled responses); default `num_train_epochs × len(train_dataset) ×
             num_samples_per_prompt`.
@@ -228,6 +232,13 @@ class PPOConfig(OnlineConfig):
     num_ppo_epochs: int = field(default=4, metadata={"help": "Number of epochs to train."})
     num_mini_batches: int = field(
         default=1, metadata={"help": "Number of minibatches to split a batch into (one optimizer step each)."}
+    )
+    group_by_length: bool = field(
+        default=True,
+        metadata={
+            "help": "Order the rows of each minibatch by length before cutting it into micro-batches (less padding "
+            "per micro-batch; the minibatch gradient is unchanged)."
+        },
     )
     total_episodes: int | None = field(
         default=None,

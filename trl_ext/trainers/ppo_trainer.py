@@ -31,7 +31,7 @@ from ..losses.reinforce import compute_baseline
 from ..ops import assemble_token_rewards, gae_advantages, kl_estimate, masked_sum, masked_whiten
 from . import checkpoint as ckpt
 from .data import left_padded
-from .experience import Experience, minibatch_counts, ppo_schedule, schedule_position
+from .experience import Experience, minibatch_counts, padded_lengths, ppo_schedule, schedule_position
 from .online import OnlineTrainerMixin, accepted_kwargs, forked_rng
 from .policy_value import PolicyAndValueModel, build_ppo_models
 from .ppo_config import PPOConfig
@@ -264,16 +264,22 @@ class PPOTrainer(OnlineTrainerMixin, _BaseTrainer):
         rollout = self.rollout(model, prompt_ids.to(device), prompt_mask.to(device))
         rewards = self.compute_rewards(rollout)
         advantages, returns = self.compute_advantages(rollout, rewards)
-        schedule = self._schedule(rollout_index, rollout.batch_size)
+        schedule = self._schedule(rollout_index, rollout)
         experience = Experience(rollout, advantages, returns, schedule, self._normalizers(rollout, schedule))
         self._log_rollout(rollout, rewards, rollout_index)
         return experience
 
-    def _schedule(self, rollout_index: int, batch_size: int) -> list[torch.Tensor]:
+    def _schedule(self, rollout_index: int, rollout: Rollout) -> list[torch.Tensor]:
         args = self.args
         seed = ((args.seed * 1_000_003 + self.accelerator.process_index) * 1_000_003 + rollout_index) * 1009
+        lengths = padded_lengths(rollout.prompt_mask, rollout.response_mask) if args.group_by_length else None
         return ppo_schedule(
-            batch_size, args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps, seed
+            rollout.batch_size,
+            args.num_ppo_epochs,
+            args.num_mini_batches,
+            args.gradient_accumulation_steps,
+            seed,
+            lengths=lengths,
         )
 
     def _normalizers(self, rollout: Rollout, schedule: list[torch.Tensor]) -> list[float]:
