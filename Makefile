@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[dev,quantization,attacks,serve]"
+	$(PIP) install -q -e ".[dev,quantization,attacks,serve,eval]"
 	# nanogcg pins transformers<=4.47.1 but works with transformers 5 (use_prefix_cache=False): no deps.
 	$(PIP) install -q --no-deps "nanogcg==0.3.0"
 	# DeepSpeed without its CUDA ops (CPU machines; the 2-process ZeRO-2 launch test uses it).
