@@ -25,9 +25,19 @@ _LAZY = {
     "HarmlessnessTrainer": "trl_ext.trainers",
     "ProposalConfig": "trl_ext.trainers",
     "ProposalTrainer": "trl_ext.trainers",
+    "DPOConfig": "trl_ext.trainers",
+    "DPOTrainer": "trl_ext.trainers",
+    "KTOConfig": "trl_ext.trainers",
+    "KTOTrainer": "trl_ext.trainers",
+    "KDConfig": "trl_ext.trainers",
+    "KDTrainer": "trl_ext.trainers",
+    "PRMConfig": "trl_ext.trainers",
+    "PRMTrainer": "trl_ext.trainers",
     "LexicalReward": "trl_ext.rewards",
     "RewardShaping": "trl_ext.rewards",
     "bad_output_probability": "trl_ext.eval",
+    "eval_heldout": "trl_ext.eval",
+    "plot_frontier": "trl_ext.eval",
 }
 
 

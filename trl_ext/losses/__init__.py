@@ -3,7 +3,7 @@
 Importing this package registers every built-in loss; :func:`available_losses` lists them.
 """
 
-from . import ppo, preference, reinforce, supervised, twist, weights  # noqa: F401  (registers the built-ins)
+from . import negative, ppo, preference, reinforce, supervised, twist, weights  # noqa: F401  (registers the built-ins)
 from .base import AGGREGATIONS, LossOutput, aggregate
 from .registry import LOSS_KINDS, LossSpec, available_losses, get_loss, get_loss_spec, register_loss
 
