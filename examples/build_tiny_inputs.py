@@ -1,9 +1,11 @@
-"""Write the inputs of `examples/ppo_tiny.yaml` and `examples/proposal_toy.yaml`: a tiny policy, a tiny reward model,
-64 prompts and the toy prompt "This man is a" (offline, ~1 s).
+"""Write the inputs of the tiny example configs in `examples/`: a tiny policy, reward model and distillation teacher,
+64 prompts, the toy prompt "This man is a", and small preference / unpaired / SFT / process-reward datasets
+(offline, ~1 s).
 
-    python examples/build_tiny_inputs.py     # -> outputs/tiny/{policy,reward,prompts.jsonl,toy_prompts.jsonl}
+    python examples/build_tiny_inputs.py     # -> outputs/tiny/
     accelerate launch recipes/ppo.py --config examples/ppo_tiny.yaml
     accelerate launch recipes/proposal.py --config examples/proposal_toy.yaml
+    accelerate launch recipes/dpo.py --config examples/dpo_tiny.yaml      # likewise kto, sft, reward, kd, prm
 
 The models come from trl_ext's offline kit (`trl_ext.testing`): 2-layer GPT-NeoX networks with random weights and a
 locally trained 774-token BPE tokenizer, so the run exercises the whole pipeline but learns nothing meaningful.
@@ -15,6 +17,7 @@ import argparse
 import os
 
 from trl_ext import testing as kit
+from trl_ext.trainers.prm import toy_prm_dataset
 
 
 def build(root: str | os.PathLike = "outputs/tiny") -> dict[str, str]:
@@ -25,11 +28,21 @@ def build(root: str | os.PathLike = "outputs/tiny") -> dict[str, str]:
         "reward": os.path.join(root, "reward"),
         "prompts": os.path.join(root, "prompts.jsonl"),
         "toy_prompts": os.path.join(root, "toy_prompts.jsonl"),
+        "teacher": os.path.join(root, "teacher"),
+        "preferences": os.path.join(root, "preferences.jsonl"),
+        "unpaired": os.path.join(root, "unpaired.jsonl"),
+        "sft": os.path.join(root, "sft.jsonl"),
+        "prm": os.path.join(root, "prm.jsonl"),
     }
     kit.save_tiny_model(kit.build_causal_lm("gpt_neox", tokenizer=tokenizer), tokenizer, paths["policy"])
     kit.save_tiny_model(kit.build_sequence_classifier("gpt_neox", tokenizer=tokenizer), tokenizer, paths["reward"])
     kit.prompt_dataset(n=64).to_json(paths["prompts"])
     kit.harmful_prompt_dataset().to_json(paths["toy_prompts"])  # 16 copies of "This man is a"
+    kit.save_tiny_model(kit.build_causal_lm("gpt_neox", tokenizer=tokenizer, seed=1), tokenizer, paths["teacher"])
+    kit.preference_dataset(n=64).to_json(paths["preferences"])
+    kit.unpaired_preference_dataset(n=64).to_json(paths["unpaired"])
+    kit.prompt_completion_dataset(n=64).to_json(paths["sft"])
+    toy_prm_dataset(n=64).to_json(paths["prm"])
     return paths
 
 
