@@ -17,7 +17,6 @@ import argparse
 import os
 
 from trl_ext import testing as kit
-from trl_ext.trainers.prm import toy_prm_dataset
 
 
 def build(root: str | os.PathLike = "outputs/tiny") -> dict[str, str]:
@@ -42,7 +41,7 @@ def build(root: str | os.PathLike = "outputs/tiny") -> dict[str, str]:
     kit.preference_dataset(n=64).to_json(paths["preferences"])
     kit.unpaired_preference_dataset(n=64).to_json(paths["unpaired"])
     kit.prompt_completion_dataset(n=64).to_json(paths["sft"])
-    toy_prm_dataset(n=64).to_json(paths["prm"])
+    kit.prm_dataset(n=64).to_json(paths["prm"])
     return paths
 
 

@@ -18,7 +18,6 @@ from trl_ext.trainers.prm import (
     PRMTrainer,
     prepare_prm_dataset,
     tokenize_prm_example,
-    toy_prm_dataset,
 )
 
 RECIPE = RECIPES / "prm.py"
@@ -137,7 +136,7 @@ def test_collator_pads_right():
 
 
 def test_toy_dataset_labels_follow_the_first_wrong_step():
-    data = toy_prm_dataset(n=64, seed=3)
+    data = kit.prm_dataset(n=64, seed=3)
     for prompt, steps, labels in zip(data["prompt"], data["completions"], data["labels"]):
         a, b, c = (int(x) for x in prompt.removeprefix("What is ").removesuffix("?").split(" + "))
         first = int(steps[0].split(" = ")[1])
@@ -166,7 +165,7 @@ def test_config_rejects_bad_options(tmp_path, overrides, match):
 def test_trainer_rejects_mismatched_models(tmp_path, tiny_tokenizer, tiny_gpt_neox_dir):
     from transformers import AutoModelForTokenClassification
 
-    data = toy_prm_dataset(n=4)
+    data = kit.prm_dataset(n=4)
     lm = kit.build_causal_lm(tokenizer=tiny_tokenizer)
     with pytest.raises(ValueError, match="reward_tokens"):
         PRMTrainer(lm, args=prm_args(tmp_path), train_dataset=data, processing_class=tiny_tokenizer)
@@ -185,7 +184,7 @@ def test_trainer_rejects_mismatched_models(tmp_path, tiny_tokenizer, tiny_gpt_ne
 # ------------------------------------------------------------------------------------------------------ trainer
 def test_token_classifier_loss_equals_cross_entropy_at_the_step_markers(tmp_path, tiny_tokenizer, token_classifier):
     trainer = PRMTrainer(
-        token_classifier, args=prm_args(tmp_path), train_dataset=toy_prm_dataset(n=8), processing_class=tiny_tokenizer
+        token_classifier, args=prm_args(tmp_path), train_dataset=kit.prm_dataset(n=8), processing_class=tiny_tokenizer
     )
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
     loss = trainer.compute_loss(trainer.model, batch)
@@ -203,7 +202,7 @@ def test_causal_lm_loss_reads_the_reward_tokens_at_the_placeholder(tmp_path):
     tokenizer.add_tokens(["<step>"], special_tokens=True)
     model = kit.build_causal_lm(tokenizer=tokenizer)  # vocabulary includes <step>
     args = prm_args(tmp_path, reward_tokens=["+", "-"], placeholder_token="<step>")
-    trainer = PRMTrainer(model, args=args, train_dataset=toy_prm_dataset(n=8), processing_class=tokenizer)
+    trainer = PRMTrainer(model, args=args, train_dataset=kit.prm_dataset(n=8), processing_class=tokenizer)
     plus, minus, step = (tokenizer.convert_tokens_to_ids(t) for t in ("+", "-", "<step>"))
     assert trainer.reward_token_ids == [plus, minus] and trainer.placeholder_token_id == step
 
@@ -251,7 +250,7 @@ def test_training_changes_the_classifier_and_saves_a_loadable_model(tmp_path, ti
 
     args = prm_args(tmp_path, max_steps=4)
     trainer = PRMTrainer(
-        token_classifier, args=args, train_dataset=toy_prm_dataset(n=16), processing_class=tiny_tokenizer
+        token_classifier, args=args, train_dataset=kit.prm_dataset(n=16), processing_class=tiny_tokenizer
     )
     before = {name: p.detach().clone() for name, p in token_classifier.named_parameters()}
     trainer.train()
@@ -301,7 +300,7 @@ def test_recipe_trains_and_saves(tiny_workdir):
     """`python recipes/prm.py --config examples/prm_tiny.yaml` (2 steps) on the tiny kit's policy backbone."""
     from transformers import AutoModelForTokenClassification
 
-    toy_prm_dataset(n=16).to_json(str(tiny_workdir / "outputs" / "tiny" / "prm.jsonl"))
+    kit.prm_dataset(n=16).to_json(str(tiny_workdir / "outputs" / "tiny" / "prm.jsonl"))
     proc = run([sys.executable, str(RECIPE), "--config", str(TINY_YAML), "--max_steps", "2"], cwd=tiny_workdir)
     assert "Trained 2 PRM steps on 1 process" in proc.stdout
     model = AutoModelForTokenClassification.from_pretrained(tiny_workdir / "outputs" / "prm-tiny")
@@ -314,7 +313,7 @@ def test_recipe_trains_a_causal_lm_prm_with_a_new_placeholder(recipe_module, tin
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     data = tmp_path / "prm.jsonl"
-    toy_prm_dataset(n=8).to_json(str(data))
+    kit.prm_dataset(n=8).to_json(str(data))
     out = tmp_path / "prm-lm"
     argv = [
         "--config",

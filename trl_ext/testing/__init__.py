@@ -8,7 +8,8 @@ Use it in tests, benchmarks, notebooks or to try a trainer on a laptop without t
   GPT-NeoX, Llama or GPT-2 models (float32, dropout 0, special ids set).
 - `tiny_model_dir(arch, kind)`: the same, saved once into a cached folder for `from_pretrained`.
 - `prompt_dataset`, `preference_dataset`, `unpaired_preference_dataset`, `prompt_completion_dataset`,
-  `harmful_prompt_dataset`: small deterministic `datasets.Dataset`s in TRL's formats.
+  `harmful_prompt_dataset`, `prm_dataset`: small deterministic `datasets.Dataset`s in TRL's formats (`prm_dataset`:
+  step-labelled additions for process reward models).
 
 Example:
 
@@ -27,6 +28,7 @@ from .data import (
     RUDE_WORDS,
     harmful_prompt_dataset,
     preference_dataset,
+    prm_dataset,
     prompt_completion_dataset,
     prompt_dataset,
     unpaired_preference_dataset,
@@ -75,6 +77,7 @@ __all__ = [
     "default_cache_dir",
     "harmful_prompt_dataset",
     "preference_dataset",
+    "prm_dataset",
     "prompt_completion_dataset",
     "prompt_dataset",
     "save_tiny_model",

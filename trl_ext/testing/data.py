@@ -201,3 +201,26 @@ def harmful_prompt_dataset(n: int = 16, prompt: str = HARMFUL_PROMPT, conversati
     _check_n(n)
     value = _user(prompt) if conversational else prompt
     return Dataset.from_dict({"prompt": [value] * n})
+
+
+def prm_dataset(n: int = 32, seed: int = 0, error_rate: float = 0.4):
+    """A tiny step-labelled arithmetic dataset (``prompt``, ``completions``, ``labels``) for process reward models.
+
+    Each row adds three small numbers step by step (``"2 + 3 = 5"``, ``"5 + 4 = 9"``, ``"The answer is 9."``). With
+    probability ``error_rate`` one step gets a wrong sum; that step and every later one are labelled ``False``.
+    """
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    prompts, completions, labels = [], [], []
+    for _ in range(n):
+        a, b, c = (rng.randint(1, 9) for _ in range(3))
+        wrong_at = rng.randrange(3) if rng.random() < error_rate else None
+        first = a + b + (rng.choice((-1, 1)) if wrong_at == 0 else 0)
+        second = first + c + (rng.choice((-1, 1)) if wrong_at == 1 else 0)
+        answer = second + (rng.choice((-1, 1)) if wrong_at == 2 else 0)
+        steps = [f"{a} + {b} = {first}", f"{first} + {c} = {second}", f"The answer is {answer}."]
+        prompts.append(f"What is {a} + {b} + {c}?")
+        completions.append(steps)
+        labels.append([wrong_at is None or i < wrong_at for i in range(3)])
+    return Dataset.from_dict({"prompt": prompts, "completions": completions, "labels": labels})
