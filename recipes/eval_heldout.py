@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 from trl import ScriptArguments
 
 from trl_ext import cli
-
-REWARD_INPUTS = ("auto", "token_ids", "pair", "text")
+from trl_ext.cli import REWARD_INPUTS
 
 
 @dataclass
@@ -128,22 +127,15 @@ class HeldoutEvalArguments:
 
 def build_reward(args: HeldoutEvalArguments, tokenizer):
     """The reward to score samples with: a `LexicalReward`, the reward model itself (token ids), or a text reward."""
-    from trl_ext.models import ModelReward, TwoTokenizerReward, load_reward_model
     from trl_ext.rewards import LexicalReward
 
     if args.reward_words is not None:
         return LexicalReward(
             words=args.words, present_reward=args.lexical_present_reward, absent_reward=args.lexical_absent_reward
         )
-    model, rm_tokenizer = load_reward_model(args.reward_model_path, dtype=args.dtype)
-    mode = args.reward_input
-    if mode == "auto":
-        mode = "token_ids" if rm_tokenizer.get_vocab() == tokenizer.get_vocab() else "pair"
-    if mode == "token_ids":
-        return model
-    if mode == "pair":
-        return TwoTokenizerReward(model, rm_tokenizer, tokenizer, rm_max_length=args.reward_max_length)
-    return ModelReward(model, rm_tokenizer, max_length=args.reward_max_length)
+    return cli.load_reward_for_policy(
+        args.reward_model_path, tokenizer, args.reward_input, args.reward_max_length, args.dtype
+    )
 
 
 def load_heldout_prompts(args: HeldoutEvalArguments):

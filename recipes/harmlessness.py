@@ -29,10 +29,9 @@ from dataclasses import dataclass, field
 from trl import ModelConfig, get_peft_config
 
 from trl_ext import cli
-from trl_ext.models import ModelReward, TwoTokenizerReward, load_causal_lm, load_reward_model
+from trl_ext.models import load_causal_lm
 from trl_ext.trainers import HarmlessnessConfig, HarmlessnessTrainer
 
-REWARD_INPUTS = ("auto", "token_ids", "pair", "text")
 load_prompts = cli.load_prompts  # kept as part of the recipe's interface
 
 
@@ -72,20 +71,12 @@ def as_chat(dataset):
 
 def build_reward(script_args: HarmlessnessScriptArguments, tokenizer, dtype=None):
     """The reward the trainer scores samples with (see the module docstring)."""
-    if script_args.reward_input not in REWARD_INPUTS:
-        raise ValueError(f"--reward_input must be one of {REWARD_INPUTS}, got {script_args.reward_input!r}.")
     lexical = cli.lexical_reward(script_args)
     if lexical is not None:
         return lexical
-    model, rm_tokenizer = load_reward_model(script_args.reward_model_path, dtype=dtype)
-    mode = script_args.reward_input
-    if mode == "auto":
-        mode = "token_ids" if rm_tokenizer.get_vocab() == tokenizer.get_vocab() else "pair"
-    if mode == "token_ids":
-        return model
-    if mode == "pair":
-        return TwoTokenizerReward(model, rm_tokenizer, tokenizer, rm_max_length=script_args.reward_max_length)
-    return ModelReward(model, rm_tokenizer, max_length=script_args.reward_max_length)
+    return cli.load_reward_for_policy(
+        script_args.reward_model_path, tokenizer, script_args.reward_input, script_args.reward_max_length, dtype
+    )
 
 
 def prompt_datasets(script_args: HarmlessnessScriptArguments, training_args: HarmlessnessConfig):

@@ -23,10 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trl import ModelConfig, ScriptArguments, get_peft_config
+from trl import ModelConfig, ScriptArguments
 
 from trl_ext import cli
-from trl_ext.models import load_causal_lm
 from trl_ext.trainers.kto import KTOConfig, KTOTrainer
 from trl_ext.trainers.preference_data import unpaired_from_negative_data
 
@@ -69,13 +68,9 @@ def load_datasets(script_args: KTOScriptArguments, training_args: KTOConfig, tok
 
 def main(script_args: KTOScriptArguments, training_args: KTOConfig, model_args: ModelConfig) -> None:
     """Load the models and the data, train (or resume), save the final policy (pushed if asked)."""
-    if not model_args.model_name_or_path:
-        raise ValueError("Pass --model_name_or_path (the policy to train: a local folder or a Hub id).")
-    tokenizer = cli.load_tokenizer(model_args.model_name_or_path, model_args)
-    peft_config = get_peft_config(model_args)
-    policy, ref_model = cli.load_policy_and_reference(model_args.model_name_or_path, model_args, peft_config)
-    if script_args.ref_model_name_or_path is not None:
-        ref_model = load_causal_lm(script_args.ref_model_name_or_path, **cli.model_load_kwargs(model_args))
+    tokenizer, policy, ref_model, peft_config = cli.load_preference_models(
+        model_args, script_args.ref_model_name_or_path
+    )
     train_dataset, eval_dataset = load_datasets(script_args, training_args, tokenizer)
 
     trainer = KTOTrainer(

@@ -24,6 +24,9 @@ __all__ = [
     "RewardScriptArguments",
     "lexical_reward",
     "load_policy_and_reference",
+    "load_preference_models",
+    "load_reward_for_policy",
+    "REWARD_INPUTS",
     "load_prompts",
     "load_tokenizer",
     "make_parser",
@@ -102,7 +105,54 @@ def load_policy_and_reference(path: str, model_args: ModelConfig, peft_config):
     return policy, (None if peft_config is not None else load_causal_lm(path, **kwargs))
 
 
+def load_preference_models(model_args: ModelConfig, ref_model_name_or_path: str | None = None):
+    """``(tokenizer, policy, ref_model, peft_config)`` of an offline preference recipe (DPO, KTO).
+
+    The reference is ``ref_model_name_or_path`` when given, else what :func:`load_policy_and_reference` chooses (a
+    second copy of the policy's checkpoint, or ``None`` under PEFT: the policy with its adapters disabled).
+    """
+    from trl import get_peft_config
+
+    from .models import load_causal_lm
+
+    if not model_args.model_name_or_path:
+        raise ValueError("Pass --model_name_or_path (the policy to train: a local folder or a Hub id).")
+    tokenizer = load_tokenizer(model_args.model_name_or_path, model_args)
+    peft_config = get_peft_config(model_args)
+    policy, ref_model = load_policy_and_reference(model_args.model_name_or_path, model_args, peft_config)
+    if ref_model_name_or_path is not None:
+        ref_model = load_causal_lm(ref_model_name_or_path, **model_load_kwargs(model_args))
+    return tokenizer, policy, ref_model, peft_config
+
+
 # -------------------------------------------------------------------------------------------------- rewards
+REWARD_INPUTS = ("auto", "token_ids", "pair", "text")
+
+
+def load_reward_for_policy(
+    path: str, tokenizer, reward_input: str = "auto", max_length: int | None = None, dtype=None
+):
+    """The reward model at ``path``, ready to score a policy that uses ``tokenizer``.
+
+    ``reward_input``: ``"token_ids"`` scores the policy's token ids directly (the reward model must share the
+    tokenizer); ``"pair"`` decodes and re-tokenises prompt and response with the reward model's own tokenizer
+    (`TwoTokenizerReward`); ``"text"`` scores decoded text (`ModelReward`); ``"auto"`` picks ``token_ids`` when both
+    vocabularies are equal, else ``pair``. ``max_length`` truncates the reward model's inputs.
+    """
+    from .models import ModelReward, TwoTokenizerReward, load_reward_model
+
+    if reward_input not in REWARD_INPUTS:
+        raise ValueError(f"--reward_input must be one of {REWARD_INPUTS}, got {reward_input!r}.")
+    model, rm_tokenizer = load_reward_model(path, dtype=dtype)
+    if reward_input == "auto":
+        reward_input = "token_ids" if rm_tokenizer.get_vocab() == tokenizer.get_vocab() else "pair"
+    if reward_input == "token_ids":
+        return model
+    if reward_input == "pair":
+        return TwoTokenizerReward(model, rm_tokenizer, tokenizer, rm_max_length=max_length)
+    return ModelReward(model, rm_tokenizer, max_length=max_length)
+
+
 @dataclass
 class RewardScriptArguments(ScriptArguments):
     """TRL's dataset arguments plus the reward: a reward model or a lexical word list (exactly one)."""
