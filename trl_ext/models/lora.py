@@ -272,6 +272,8 @@ def _infer_task_type(model: nn.Module) -> str | None:
     name = type(model).__name__
     if name.endswith(("ForCausalLM", "LMHeadModel")):
         return "CAUSAL_LM"
+    if name.endswith("ForConditionalGeneration") and getattr(getattr(model, "config", None), "vision_config", None):
+        return "CAUSAL_LM"  # a vision-language model (Qwen2-VL, LLaVA, ...) generates text like a causal LM
     if name.endswith("ForSequenceClassification"):
         return "SEQ_CLS"
     if name.endswith("ForTokenClassification"):
@@ -394,7 +396,8 @@ def apply_lora(
             and `score` for `task_type="SEQ_CLS"`. For a modulation model whose fresh head *is* `lm_head`, pass
             `modules_to_save=["lm_head"]`.
         task_type: PEFT task type (`"CAUSAL_LM"`, `"SEQ_CLS"`, ...); `None` infers it from the class name
-            (`*ForCausalLM` / `*LMHeadModel` → `CAUSAL_LM`, `*ForSequenceClassification` → `SEQ_CLS`), else none.
+            (`*ForCausalLM` / `*LMHeadModel` and vision-language `*ForConditionalGeneration` → `CAUSAL_LM`,
+            `*ForSequenceClassification` → `SEQ_CLS`), else none.
         adapter_name: name of the adapter.
         **lora_kwargs: any other `peft.LoraConfig` argument (`use_rslora`, `use_dora`, `init_lora_weights`,
             `layers_to_transform`, `bias`, `fan_in_fan_out`, ...).

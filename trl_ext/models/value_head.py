@@ -17,6 +17,9 @@ Example:
 
 Design notes:
 
+- **Vision-language models.** A model of `AutoModelForImageTextToText` (Qwen2-VL, LLaVA, ...) is wrapped the same way:
+  the value head reads the language model's last hidden state (its size from ``config.get_text_config()``) and
+  image inputs (``pixel_values``, ...) pass through ``forward`` to the wrapped model.
 - **Config.** `CausalLMWithValueHeadConfig` (``model_type="causal_lm_with_value_head"``, registered with `AutoConfig`
   and `AutoModelForCausalLM`) holds the wrapped config as the sub-config ``text_config`` (``get_text_config()``
   returns it; attributes the wrapper lacks, e.g. ``vocab_size``, ``use_cache``, are read from / written to it).
@@ -317,7 +320,8 @@ class AutoModelForCausalLMWithValueHead(RefusesTrlForwardPatch, PreTrainedModel)
             return loaded
         head_kwargs = {k: kwargs.pop(k) for k in _VALUE_HEAD_KWARGS if k in kwargs}
         output_loading_info = kwargs.get("output_loading_info", False)
-        loaded = AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        auto_cls = _auto_class(config)
+        loaded = auto_cls.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         lm, info = loaded if output_loading_info else (loaded, None)
         model = cls.from_model(lm, **head_kwargs)
         _log_once(
@@ -540,7 +544,17 @@ def _causal_lm_from_config(text_config: PreTrainedConfig) -> PreTrainedModel:
         model_cls = getattr(transformers, name, None)
         if isinstance(model_cls, type) and issubclass(model_cls, PreTrainedModel):
             return model_cls._from_config(text_config)
-    return AutoModelForCausalLM.from_config(text_config)
+    return _auto_class(text_config).from_config(text_config)
+
+
+def _auto_class(config: PreTrainedConfig):
+    """`AutoModelForImageTextToText` for a vision-language config (it has a ``vision_config``), else
+    `AutoModelForCausalLM`."""
+    if getattr(config, "vision_config", None) is not None:
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
 
 
 def prepare_value_head_for_peft(model: AutoModelForCausalLMWithValueHead, peft_config):

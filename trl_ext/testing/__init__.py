@@ -10,6 +10,9 @@ Use it in tests, benchmarks, notebooks or to try a trainer on a laptop without t
 - `prompt_dataset`, `preference_dataset`, `unpaired_preference_dataset`, `prompt_completion_dataset`,
   `harmful_prompt_dataset`, `prm_dataset`: small deterministic `datasets.Dataset`s in TRL's formats (`prm_dataset`:
   step-labelled additions for process reward models).
+- `build_vision_processor(arch)` / `build_vision_lm(arch)` / `image_prompt_dataset()`: tiny Qwen2-VL-style and
+  LLaVA-style vision-language models with PIL-only processors, and coloured squares with a question each
+  (`trl_ext.testing.vision`).
 
 Example:
 
@@ -55,6 +58,15 @@ from .tokenizer import (
     SPECIAL_TOKENS,
     build_tokenizer,
 )
+from .vision import (
+    IMAGE_COLOURS,
+    VISION_ARCHITECTURES,
+    build_vision_lm,
+    build_vision_processor,
+    build_vision_tokenizer,
+    image_prompt_dataset,
+    save_tiny_vision_model,
+)
 
 __all__ = [
     "ARCHITECTURES",
@@ -63,6 +75,7 @@ __all__ = [
     "CHATML_TEMPLATE",
     "EOS_TOKEN",
     "HARMFUL_PROMPT",
+    "IMAGE_COLOURS",
     "IM_END_TOKEN",
     "IM_START_TOKEN",
     "KIT_VERSION",
@@ -70,17 +83,23 @@ __all__ = [
     "PAD_TOKEN",
     "RUDE_WORDS",
     "SPECIAL_TOKENS",
+    "VISION_ARCHITECTURES",
     "build_causal_lm",
     "build_sequence_classifier",
     "build_tokenizer",
+    "build_vision_lm",
+    "build_vision_processor",
+    "build_vision_tokenizer",
     "cache_key",
     "default_cache_dir",
     "harmful_prompt_dataset",
+    "image_prompt_dataset",
     "preference_dataset",
     "prm_dataset",
     "prompt_completion_dataset",
     "prompt_dataset",
     "save_tiny_model",
+    "save_tiny_vision_model",
     "tiny_model_dir",
     "unpaired_preference_dataset",
 ]

@@ -83,7 +83,8 @@ class Experience:
 
     def micro_batch(self, position: int) -> dict:
         """The inputs of micro-step ``position``: ``input_ids``, ``attention_mask``, ``response_mask``,
-        ``old_logprobs``, ``advantages``, ``normalizer`` and, with a critic, ``returns`` and ``old_values``."""
+        ``old_logprobs``, ``advantages``, ``normalizer`` and, with a critic, ``returns`` and ``old_values``; with
+        images, ``vision`` (the rows' image inputs)."""
         idx = self.schedule[position].to(self.advantages.device)
         r = self.rollout
         # Columns that are padding in every row of the micro-batch (left of the longest prompt, right of the longest
@@ -104,6 +105,8 @@ class Experience:
             batch["returns"] = self.returns[idx][:, :width]
         if r.values is not None:
             batch["old_values"] = r.values[idx][:, :width]
+        if r.vision is not None:  # image placeholders are real tokens: trimming never cuts them
+            batch["vision"] = r.vision[idx]
         return batch
 
     def state_dict(self) -> dict:

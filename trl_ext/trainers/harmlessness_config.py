@@ -110,6 +110,9 @@ class HarmlessnessConfig(TwistTargetConfig):
             Per-token KL estimator: `"k1"`, `"k2"` or `"k3"`.
         missing_eos_penalty (`float`, *optional*):
             Subtracted from the raw reward of responses without a stop token (must be ≥ 0).
+        reward_uses_images (`bool`, *optional*, defaults to `False`):
+            Pass the prompts' images (PIL) to the reward function as `images=` (vision-language policies; the
+            reward must then be a callable or a `RewardFunction`). `False`: rewards score the text only.
 
         > Parameters that control generation
 

@@ -77,7 +77,7 @@ class HarmlessnessTrainerIO:
         with forked_rng():
             for batch in loader:
                 ids, mask = left_padded(batch["input_ids"], batch.get("attention_mask"), self.tokenizer.pad_token_id)
-                rollout = self._sample("policy", self.model_wrapped, ids, mask)
+                rollout = self._sample("policy", self.model_wrapped, ids, mask, batch.get("vision"))
                 kl = kl_estimate(rollout.logprobs, rollout.ref_logprobs, self.args.kl_estimator, rollout.response_mask)
                 scores.append(rollout.scores.float())
                 kls.append(masked_sum(kl, rollout.response_mask, dim=-1))

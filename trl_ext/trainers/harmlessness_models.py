@@ -78,8 +78,10 @@ class HarmlessnessModels(ModelParts):
         position_ids: torch.Tensor | None = None,
         use_cache: bool = False,
         logits_to_keep: int = 0,
+        **model_inputs,
     ):
         kwargs = self._causal_lm_kwargs(input_ids, attention_mask, position_ids, use_cache, logits_to_keep)
+        kwargs.update(model_inputs)  # e.g. a vision-language model's pixel_values
         out = self.acting_model()(**kwargs)
         out.logits = self._kept_logits(out.logits, logits_to_keep)
         return out

@@ -49,6 +49,7 @@ from .harmlessness_steps import (
     stack_rollouts,
     step_metrics,
 )
+from .multimodal import check_vision_models, concat_vision
 from .negdata import NegativeDataWriter
 from .online import OnlineTrainerMixin, accepted_kwargs
 from .ppo_metrics import PPOMetrics
@@ -65,8 +66,10 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
 
     Args:
         args (`HarmlessnessConfig`): training arguments.
-        processing_class: the tokenizer shared by every model (it needs a pad token).
-        model: the policy ``p_θ`` to train (a causal LM, or a PEFT model).
+        processing_class: the tokenizer shared by every model (it needs a pad token), or a vision-language policy's
+            processor.
+        model: the policy ``p_θ`` to train (a causal LM, a PEFT model, or a vision-language model from
+            `AutoModelForImageTextToText` trained on a dataset with images, see ``docs/vision.md``).
         reward_model: a reward model sharing the tokenizer (scored on token ids), a ``(model, tokenizer)`` pair, a
             `RewardFunction` (e.g. `trl_ext.rewards.LexicalReward`), a callable ``(prompts, completions) ->
             scores`` or a reward-server URL. Higher = better.
@@ -134,7 +137,8 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
             self._disable_dropout(policy, proposal, reference.model, reward_model)
         self.ref_model, self.reward_model, self.reference = reference.model, reward_model, reference
 
-        train_dataset, eval_dataset = self._prepare_datasets(args, train_dataset, eval_dataset)
+        train_dataset, eval_dataset = self._prepare_datasets(args, train_dataset, eval_dataset, model=policy)
+        check_vision_models(self.vision_spec, proposal_model=proposal, ref_model=reference.model)
         self._init_trainer(
             HarmlessnessModels(policy, proposal), policy, args, data_collator, train_dataset=train_dataset,
             eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
@@ -150,7 +154,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
             if module is not None
         }
         self._sampling = self._sampling_settings(args)
-        reward = RolloutReward(self.reward_model, self.tokenizer)
+        reward = RolloutReward(self.reward_model, self.tokenizer, uses_images=args.reward_uses_images)
         self._generators = {"policy": self._generator(reward, self.reference)}
         if proposal is not None:  # the proposal's "reference" is the current policy: its target's base
             self._generators["proposal"] = self._generator(reward, ReferencePolicy(model=policy))
@@ -236,11 +240,12 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
             inputs["input_ids"], inputs.get("attention_mask"), self.tokenizer.pad_token_id
         )
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+        vision = {"vision": inputs["vision"].to(device)} if inputs.get("vision") is not None else {}
         scale = 1.0 / self.current_gradient_accumulation_steps
         self._timings = {"proposal_step": 0.0, "policy_step": 0.0}
         for _ in range(args.q_steps_per_p_step - 1):
-            self._proposal_only_step(model, prompt_ids, prompt_mask)
-        rollouts = self.rollout(model, prompt_ids, prompt_mask)
+            self._proposal_only_step(model, prompt_ids, prompt_mask, **vision)
+        rollouts = self.rollout(model, prompt_ids, prompt_mask, **vision)
         rewards = self.compute_rewards(rollouts)
         self._save_negative_data(rollouts)
         q_out = None
@@ -263,9 +268,9 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         loss = p_out.loss.detach() + (q_out.loss.loss.detach() if q_out is not None else 0.0)
         return loss * scale
 
-    def _proposal_only_step(self, model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> None:
+    def _proposal_only_step(self, model: nn.Module, prompt_ids, prompt_mask, vision=None) -> None:
         """An extra proposal update on fresh proposal samples (``q_steps_per_p_step > 1``; no accumulation)."""
-        rollout = self._sample("proposal", model, prompt_ids, prompt_mask)
+        rollout = self._sample("proposal", model, prompt_ids, prompt_mask, vision)
         log_phi = self._target_log_phi(rollout.scores)
         if self._negdata is not None:
             self._negdata.add(rollout, rollout.scores, step=self.state.global_step, source="proposal")
@@ -294,8 +299,9 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         if rollouts.proposal is not None and self.args.uses_negative_samples:
             parts.append(rollouts.proposal)
         ids, mask, T = stack_rollouts(parts)
+        vision = concat_vision([part.vision for part in parts])
         with self._wrapper.acting_as("policy"):
-            logprobs = forward_response(model, ids, mask, T, temperature=self.args.temperature).logprobs
+            logprobs = forward_response(model, ids, mask, T, temperature=self.args.temperature, vision=vision).logprobs
         B, T_p = rollouts.policy.batch_size, rollouts.policy.response_length
         policy_lp = logprobs[:B, :T_p]
         neg_lp = logprobs[B:, : parts[-1].response_length] if len(parts) > 1 else policy_lp
@@ -348,18 +354,19 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         return rollout_logprobs(model, rollout, self.args.local_rollout_forward_batch_size, self.args.temperature)
 
     # ------------------------------------------------------------------------------------------ public hooks
-    def _sample(self, part: str, model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Rollout:
+    def _sample(self, part: str, model: nn.Module, prompt_ids, prompt_mask, vision=None) -> Rollout:
         with self._wrapper.acting_as(part):
-            return self._generators[part](model, prompt_ids, prompt_mask)
+            return self._generators[part](model, prompt_ids, prompt_mask, vision=vision)
 
-    def rollout(self, model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> HarmlessnessRollouts:
+    def rollout(self, model: nn.Module, prompt_ids, prompt_mask, vision=None) -> HarmlessnessRollouts:
         """Sample ``num_samples_per_prompt`` responses per left-padded prompt from the policy (scored by the
         reward, reference ``p_0``) and, when a proposal is trained, from the proposal (reference: the current
-        policy). Both sample in eval mode. Override to change how experience is collected."""
-        policy = self._sample("policy", model, prompt_ids, prompt_mask)
+        policy). Both sample in eval mode; ``vision``: the prompts' image inputs (passed only with images).
+        Override to change how experience is collected."""
+        policy = self._sample("policy", model, prompt_ids, prompt_mask, vision)
         proposal = None
         if self.proposal is not None:
-            proposal = self._sample("proposal", model, prompt_ids, prompt_mask)
+            proposal = self._sample("proposal", model, prompt_ids, prompt_mask, vision)
         return HarmlessnessRollouts(policy=policy, proposal=proposal)
 
     def _target_log_phi(self, raw: torch.Tensor) -> torch.Tensor:
@@ -407,6 +414,8 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
             "ref_logprobs": rollout.ref_logprobs,
             "log_phi": log_phi,
         }
+        if rollout.vision is not None:
+            batch["vision"] = rollout.vision
         with self._wrapper.acting_as("proposal"):
             return twist_loss(
                 model, batch, num_samples_per_prompt=args.num_samples_per_prompt,

@@ -29,6 +29,13 @@ from trl.trainer import disable_dropout_in_model
 
 from . import checkpoint as ckpt
 from .data import PromptCollator, RolloutSampler, check_pad_token, prepare_prompt_dataset, tokenizer_of
+from .multimodal import (
+    VisionPromptCollator,
+    check_dataset_images,
+    check_reward_images,
+    prepare_vision_dataset,
+    vision_setup,
+)
 from .ppo_metrics import log_completions_table, print_completions_table
 from .rollout import ReferencePolicy, RolloutGenerator, RolloutReward, SamplingSettings, generate_responses
 
@@ -79,6 +86,7 @@ class OnlineTrainerMixin(abc.ABC):
                 f"load_best_model_at_end is not supported by {type(self).__name__} (there is no eval loss)."
             )
         self.tokenizer = tokenizer_of(processing_class)
+        self._processing_class = processing_class  # a processor, for vision-language policies
         check_pad_token(self.tokenizer)
         self.stop_token_id = self.tokenizer.eos_token_id if args.stop_token == "eos" else args.stop_token_id
         enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
@@ -89,18 +97,36 @@ class OnlineTrainerMixin(abc.ABC):
             if isinstance(module, nn.Module):
                 disable_dropout_in_model(module)
 
-    def _prepare_datasets(self, args, train_dataset, eval_dataset):
-        """Tokenise the prompts (:func:`prepare_prompt_dataset`); ``eval_dataset`` may be a dict of datasets."""
-        tokenizer, num_proc = self.tokenizer, args.dataset_num_proc
-        train_dataset = prepare_prompt_dataset(train_dataset, tokenizer, num_proc=num_proc)
+    def _prepare_datasets(self, args, train_dataset, eval_dataset, model: nn.Module | None = None):
+        """Tokenise the prompts (:func:`prepare_prompt_dataset`); ``eval_dataset`` may be a dict of datasets.
+
+        With an image column and a vision-language ``model`` (the policy), the prompts are templated instead
+        (:func:`~trl_ext.trainers.multimodal.prepare_vision_dataset`) and ``self.vision_spec`` is set (``None``
+        otherwise); a trainer that passes no ``model`` takes no images."""
+        self.vision_spec = vision_setup(self._processing_class, model, train_dataset, trainer=type(self).__name__)
+        check_reward_images(self.vision_spec, getattr(self, "reward_model", None), args.reward_uses_images)
+        prepare = self._prepare_prompts
+        train_dataset = prepare(train_dataset, "train_dataset", args.dataset_num_proc)
         if isinstance(eval_dataset, dict):
             eval_dataset = {
-                k: prepare_prompt_dataset(v, tokenizer, num_proc=num_proc, name=f"eval_dataset[{k}]")
-                for k, v in eval_dataset.items()
+                k: prepare(v, f"eval_dataset[{k}]", args.dataset_num_proc) for k, v in eval_dataset.items()
             }
         elif eval_dataset is not None:
-            eval_dataset = prepare_prompt_dataset(eval_dataset, tokenizer, num_proc=num_proc, name="eval_dataset")
+            eval_dataset = prepare(eval_dataset, "eval_dataset", args.dataset_num_proc)
         return train_dataset, eval_dataset
+
+    def _prepare_prompts(self, dataset, name: str, num_proc: int | None = None):
+        spec = check_dataset_images(getattr(self, "vision_spec", None), dataset, name)
+        if spec is None:
+            return prepare_prompt_dataset(dataset, self.tokenizer, num_proc=num_proc, name=name)
+        return prepare_vision_dataset(dataset, self._processing_class, spec.image_column, num_proc=num_proc, name=name)
+
+    def _default_collator(self):
+        """Left-padded prompts; with images, the processor's batch and its image inputs (``vision``)."""
+        spec = getattr(self, "vision_spec", None)
+        if spec is not None:
+            return VisionPromptCollator(self._processing_class, spec)
+        return PromptCollator(self.tokenizer.pad_token_id)
 
     def _init_trainer(self, model: nn.Module, tagged: nn.Module, args, data_collator=None, **kwargs) -> None:
         """`Trainer.__init__` on the trained module ``model`` (default collator: left-padded prompts), with the model
@@ -108,7 +134,7 @@ class OnlineTrainerMixin(abc.ABC):
         if hasattr(tagged, "add_model_tags"):
             tagged.add_model_tags(self._tag_names)
         if data_collator is None:
-            data_collator = PromptCollator(self.tokenizer.pad_token_id)
+            data_collator = self._default_collator()
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
         self._place_frozen_models()
 
@@ -192,12 +218,12 @@ class OnlineTrainerMixin(abc.ABC):
         if isinstance(dataset, dict):
             dataset = next(iter(dataset.values()), None)
         if given and dataset is not None:
-            dataset = prepare_prompt_dataset(dataset, self.tokenizer, name="dataset")
+            dataset = self._prepare_prompts(dataset, "dataset")
         return dataset
 
     def _eval_dataloader(self, dataset, collate_fn=None) -> DataLoader:
         """``per_device_eval_batch_size`` left-padded prompts per batch, in order."""
-        collate_fn = collate_fn if collate_fn is not None else PromptCollator(self.tokenizer.pad_token_id)
+        collate_fn = collate_fn if collate_fn is not None else self._default_collator()
         loader = DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, collate_fn=collate_fn)
         return self.accelerator.prepare(loader)
 
@@ -253,15 +279,17 @@ class OnlineTrainerMixin(abc.ABC):
 
     # ---------------------------------------------------------------------------------------- sample tables
     @torch.no_grad()
-    def _completion_rows(self, ids: torch.Tensor, mask: torch.Tensor, settings: SamplingSettings, column: str):
+    def _completion_rows(
+        self, ids: torch.Tensor, mask: torch.Tensor, settings: SamplingSettings, column: str, vision=None
+    ):
         """One response per left-padded prompt of the model being trained (sampled with ``settings``), scored by the
-        reward: rows ``{"query", column, "score"}``."""
+        reward: rows ``{"query", column, "score"}``. ``vision``: the prompts' image inputs."""
         generator = self.rollout_generator
         with generator._generation_model(self.model_wrapped) as policy:
             responses, response_mask, _ = generate_responses(
-                policy, ids, mask, settings, self.args.local_rollout_forward_batch_size
+                policy, ids, mask, settings, self.args.local_rollout_forward_batch_size, vision=vision
             )
-        scores = generator.reward(ids, mask, responses, response_mask)
+        scores = generator.reward(ids, mask, responses, response_mask, vision)
         prompts = self.tokenizer.batch_decode([r[m != 0] for r, m in zip(ids, mask)], skip_special_tokens=True)
         texts = self.tokenizer.batch_decode([r[m != 0] for r, m in zip(responses, response_mask)])
         return [{"query": p, column: t, "score": s} for p, t, s in zip(prompts, texts, scores.tolist())]

@@ -70,6 +70,9 @@ class OnlineConfig(_BaseConfig):
 
         missing_eos_penalty (`float`, *optional*):
             Subtracted from the raw score of responses without a stop token. Must be >= 0.
+        reward_uses_images (`bool`, *optional*, defaults to `False`):
+            Pass the prompts' images (PIL) to the reward function as `images=` (vision-language policies; the
+            reward must then be a callable or a `RewardFunction`). `False`: rewards score the text only.
 
     > [!NOTE]
     > Defaults that differ from [`~transformers.TrainingArguments`]: `logging_steps=10`, activation checkpointing on,
@@ -138,6 +141,13 @@ class OnlineConfig(_BaseConfig):
         metadata={
             "help": "Penalty subtracted from the score when the model fails to generate an EOS (stop) token. Useful "
             "to encourage completions shorter than `response_length`. Must be >= 0."
+        },
+    )
+    reward_uses_images: bool = field(
+        default=False,
+        metadata={
+            "help": "Pass the prompts' images (PIL) to the reward function as `images=` (vision-language policies; "
+            "the reward must be a callable or a RewardFunction). False: rewards score the text only."
         },
     )
 

@@ -23,7 +23,7 @@ from ..models.lora import is_peft_model, reference_is_base_with_adapters_disable
 from ..models.value_head import AutoModelForCausalLMWithValueHead, prepare_value_head_for_peft
 from ..ops.sequences import position_ids_from_attention_mask
 from .model_parts import ModelParts, add_adapters, shares_parameters
-from .rollout import ReferencePolicy, supports_logits_to_keep
+from .rollout import ReferencePolicy, causal_lm_outputs, supports_logits_to_keep
 
 __all__ = ["PolicyAndValueModel", "PolicyValueOutput", "build_ppo_models", "has_value_head"]
 
@@ -79,9 +79,12 @@ class PolicyAndValueModel(ModelParts):
         use_cache: bool = False,
         logits_to_keep: int = 0,
         return_values: bool = True,
+        **model_inputs,
     ) -> PolicyValueOutput:
-        """Policy logits and, with a critic and ``return_values``, values ``(B, T)`` for every position."""
+        """Policy logits and, with a critic and ``return_values``, values ``(B, T)`` for every position.
+        ``model_inputs`` (e.g. a vision-language policy's ``pixel_values``) go to the policy."""
         kwargs = self._causal_lm_kwargs(input_ids, attention_mask, position_ids, use_cache, logits_to_keep)
+        kwargs.update(model_inputs)
         want_values = return_values and self.has_critic
         if self.use_policy_value_head:
             kwargs["return_values"] = want_values
@@ -95,15 +98,17 @@ class PolicyAndValueModel(ModelParts):
                 value = get_token_values(self.value_model, input_ids, attention_mask)
         return PolicyValueOutput(logits=logits, value=value)
 
-    def critic_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int):
+    def critic_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, vision=None):
         """``(B, T)`` fp32 values ``V_t`` of the state before each of the last ``T = response_length`` tokens, zero
         on padding — without running the policy when the critic is a separate model (rollout scoring, whose
-        sampling-time log-probs come from ``generate``)."""
+        sampling-time log-probs come from ``generate``). ``vision``: the rows' image inputs (value head only)."""
         if not self.has_critic:
             raise ValueError("This PolicyAndValueModel has no critic to read values from.")
         T = response_length
         if self.value_model is not None:
             value = get_token_values(self.value_model, input_ids, attention_mask)
+        elif vision is not None:  # the model's own positions (see `causal_lm_outputs`)
+            value = causal_lm_outputs(self, input_ids, attention_mask, T + 1, vision=vision).value
         else:
             position_ids = position_ids_from_attention_mask(attention_mask)
             value = self(input_ids, attention_mask, position_ids=position_ids, logits_to_keep=T + 1).value

@@ -82,6 +82,9 @@ class PPOConfig(OnlineConfig):
 
         missing_eos_penalty (`float`, *optional*):
             Subtracted from the score of responses that do not contain the stop (EOS) token. Must be >= 0.
+        reward_uses_images (`bool`, *optional*, defaults to `False`):
+            Pass the prompts' images (PIL) to the reward function as `images=` (vision-language policies; the
+            reward must then be a callable or a `RewardFunction`). `False`: rewards score the text only.
         kl_coef (`float`, *optional*, defaults to `0.05`):
             KL coefficient.
         kl_estimator (`str`, *optional*, defaults to `"k1"`):

@@ -32,6 +32,7 @@ from ..ops import assemble_token_rewards, gae_advantages, kl_estimate, masked_su
 from . import checkpoint as ckpt
 from .data import left_padded
 from .experience import Experience, minibatch_counts, padded_lengths, ppo_schedule, schedule_position
+from .multimodal import check_vision_critic, check_vision_models
 from .online import OnlineTrainerMixin, accepted_kwargs, forked_rng
 from .policy_value import PolicyAndValueModel, build_ppo_models
 from .ppo_config import PPOConfig
@@ -59,14 +60,17 @@ class PPOTrainer(OnlineTrainerMixin, _BaseTrainer):
 
     Args:
         args (`PPOConfig`): training arguments.
-        processing_class: the policy's tokenizer (it needs a pad token; prompts are left-padded for generation).
-        model: the policy to train (`AutoModelForCausalLM`, a value-head model, a PEFT model, a modulated policy).
+        processing_class: the policy's tokenizer (it needs a pad token; prompts are left-padded for generation), or
+            a vision-language policy's processor.
+        model: the policy to train (`AutoModelForCausalLM`, a value-head model, a PEFT model, a modulated policy, or
+            a vision-language model from `AutoModelForImageTextToText`, see ``docs/vision.md``).
         ref_model: the frozen reference policy. `None`: the LoRA base (adapters disabled) under PEFT, otherwise a
             frozen copy of the initial policy. Must not be ``model`` itself.
         reward_model: a reward model sharing the policy's tokenizer (scored on token ids, at the last real token),
             or a ``(model, tokenizer)`` pair, a `RewardFunction`, a callable ``(prompts, completions) -> scores``,
             a reward-server URL (scored on decoded text).
-        train_dataset: prompts, in a ``prompt`` column (text or chat messages) or an ``input_ids`` column.
+        train_dataset: prompts, in a ``prompt`` column (text or chat messages) or an ``input_ids`` column; for a
+            vision-language policy ``prompt`` plus ``image`` (a PIL image or a path per row) or ``images``.
         value_model: the critic (e.g. `AutoModelForSequenceClassification` with ``num_labels=1``); `None` with
             ``shared_actor_critic=True`` or a REINFORCE-type ``actor_loss_type``.
         data_collator: collates dataset rows into ``input_ids``/``attention_mask`` (default: left-padding).
@@ -128,7 +132,9 @@ class PPOTrainer(OnlineTrainerMixin, _BaseTrainer):
         )  # fmt: skip
         self.reference = reference
 
-        train_dataset, eval_dataset = self._prepare_datasets(args, train_dataset, eval_dataset)
+        train_dataset, eval_dataset = self._prepare_datasets(args, train_dataset, eval_dataset, model=policy)
+        check_vision_models(self.vision_spec, ref_model=reference.model)
+        check_vision_critic(self.vision_spec, value_model)
         self._set_sizes(args, len(train_dataset))
         wrapper = PolicyAndValueModel(
             policy, value_model, use_policy_value_head=args.shared_actor_critic and args.uses_critic
@@ -146,7 +152,7 @@ class PPOTrainer(OnlineTrainerMixin, _BaseTrainer):
             )
         self._sampling = self._sampling_settings(args)
         self.rollout_generator = self._rollout_generator(
-            RolloutReward(self.reward_model, self.tokenizer), self.reference,
+            RolloutReward(self.reward_model, self.tokenizer, uses_images=args.reward_uses_images), self.reference,
             policy_of=lambda m: m.policy, with_values=wrapper.has_critic,
         )  # fmt: skip
         self._metrics = PPOMetrics()
@@ -261,7 +267,8 @@ class PPOTrainer(OnlineTrainerMixin, _BaseTrainer):
             inputs["input_ids"], inputs.get("attention_mask"), self.tokenizer.pad_token_id
         )
         rollout_index = self._micro_step // self._micro_steps_per_rollout
-        rollout = self.rollout(model, prompt_ids.to(device), prompt_mask.to(device))
+        vision = {"vision": inputs["vision"].to(device)} if inputs.get("vision") is not None else {}
+        rollout = self.rollout(model, prompt_ids.to(device), prompt_mask.to(device), **vision)
         rewards = self.compute_rewards(rollout)
         advantages, returns = self.compute_advantages(rollout, rewards)
         schedule = self._schedule(rollout_index, rollout)
@@ -291,10 +298,11 @@ class PPOTrainer(OnlineTrainerMixin, _BaseTrainer):
         return [counts[i // accumulation] for i in range(len(schedule))]
 
     # ------------------------------------------------------------------------------------------ public hooks
-    def rollout(self, model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Rollout:
+    def rollout(self, model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, vision=None) -> Rollout:
         """Sample ``num_samples_per_prompt`` responses per left-padded prompt and score them (see
-        :class:`~trl_ext.trainers.rollout.RolloutGenerator`). Override to change how experience is collected."""
-        return self.rollout_generator(model, prompt_ids, prompt_mask)
+        :class:`~trl_ext.trainers.rollout.RolloutGenerator`); ``vision``: the prompts' image inputs (passed only
+        with images). Override to change how experience is collected."""
+        return self.rollout_generator(model, prompt_ids, prompt_mask, vision=vision)
 
     def compute_rewards(self, rollout: Rollout) -> PPORewards:
         """Per-token rewards: the KL estimate (``kl_estimator``) times ``−kl_coef`` on every response token, plus
@@ -358,7 +366,7 @@ class PPOTrainer(OnlineTrainerMixin, _BaseTrainer):
         uses_critic = "returns" in inputs
         out = forward_response(
             model, inputs["input_ids"], inputs["attention_mask"], mask.shape[1], temperature=self.args.temperature,
-            return_values=uses_critic, return_entropy=True,
+            return_values=uses_critic, return_entropy=True, vision=inputs.get("vision"),
         )  # fmt: skip
         policy = self.compute_policy_loss(out.logprobs, inputs, inputs["normalizer"])
         loss = policy.loss
@@ -414,7 +422,8 @@ class PPOTrainer(OnlineTrainerMixin, _BaseTrainer):
         rows = []
         with forked_rng():
             for batch in self._eval_dataloader(dataset):
-                rows += self._completion_rows(batch["input_ids"], batch["attention_mask"], settings, "model response")
+                ids, mask, vision = batch["input_ids"], batch["attention_mask"], batch.get("vision")
+                rows += self._completion_rows(ids, mask, settings, "model response", vision=vision)
                 if sampling:
                     break
         return self._publish_completions(rows, "PPO samples")

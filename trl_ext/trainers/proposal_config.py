@@ -64,6 +64,9 @@ class ProposalConfig(TwistTargetConfig):
             Threshold of `"indicator_below_threshold"`.
         missing_eos_penalty (`float`, *optional*):
             Subtracted from the raw score of responses without a stop token (before the map). Must be >= 0.
+        reward_uses_images (`bool`, *optional*, defaults to `False`):
+            Pass the prompts' images (PIL) to the reward function as `images=` (vision-language policies; the
+            reward must then be a callable or a `RewardFunction`). `False`: rewards score the text only.
 
         > Parameters that control generation
 

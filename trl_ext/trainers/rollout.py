@@ -37,6 +37,7 @@ from ..models.reward_functions import RewardFunction, as_reward_function
 from ..models.value_head import AutoModelForCausalLMWithValueHead
 from ..ops.logprobs import DEFAULT_CHUNK_SIZE, logprobs_from_logits
 from ..ops.sequences import position_ids_from_attention_mask, truncate_after_stop_token
+from .multimodal import VisionInputs, add_vision_inputs, generation_inputs, reward_images
 from .sampling import SampleAndRecord
 
 __all__ = [
@@ -85,6 +86,8 @@ class Rollout:
     num_samples_per_prompt: int = 1
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds spent in ``generation`` and ``scoring``."""
+    vision: VisionInputs | None = None
+    """The rows' image inputs (vision-language policies, see :mod:`~trl_ext.trainers.multimodal`), else ``None``."""
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -107,7 +110,7 @@ class Rollout:
     def _tensor_fields(self) -> Iterator[tuple[str, torch.Tensor]]:
         for f in fields(self):
             value = getattr(self, f.name)
-            if torch.is_tensor(value):
+            if torch.is_tensor(value) or isinstance(value, VisionInputs):
                 yield f.name, value
 
     def select(self, index: torch.Tensor | slice) -> Rollout:
@@ -124,13 +127,14 @@ class Rollout:
 
     def state_dict(self) -> dict:
         """Plain dict of CPU tensors and numbers (``torch.save``-able, loadable with ``weights_only=True``)."""
-        state = {name: value.detach().cpu() for name, value in self._tensor_fields()}
+        state = {k: v.state_dict() if k == "vision" else v.detach().cpu() for k, v in self._tensor_fields()}
         state.update(num_samples_per_prompt=self.num_samples_per_prompt, timings=dict(self.timings))
         return state
 
     @classmethod
     def from_state_dict(cls, state: dict) -> Rollout:
-        return cls(**state)
+        vision = state.get("vision")
+        return cls(**{**state, "vision": VisionInputs.from_state_dict(vision) if vision is not None else None})
 
 
 # ------------------------------------------------------------------------------------------------ sampling
@@ -198,6 +202,7 @@ def generate_responses(
     batch_size: int,
     *,
     return_logprobs: bool = False,
+    vision: VisionInputs | None = None,
 ):
     """Sample one response per row of the left-padded prompts with ``model.generate``, ``batch_size`` rows at a time.
 
@@ -205,7 +210,8 @@ def generate_responses(
     token, the ``(B, T)`` mask (1 up to and including that token) and the ``(B,)`` bool "has a stop token";
     ``T ≤ max_new_tokens`` is the longest response. With ``return_logprobs`` a fourth item follows: the ``(B, T)``
     fp32 sampling-time log-probs ``log_softmax(logits / temperature)`` of the response tokens, zero where the mask is
-    zero (``None`` when sampling greedily). The model is put in eval mode meanwhile.
+    zero (``None`` when sampling greedily). The model is put in eval mode meanwhile. ``vision``: the rows' image
+    inputs (vision-language models).
     """
     config = settings.generation_config()
     was_training = model.training
@@ -216,9 +222,12 @@ def generate_responses(
             for start in range(0, prompt_ids.shape[0], batch_size):
                 ids, mask = prompt_ids[start : start + batch_size], prompt_mask[start : start + batch_size]
                 sampler = settings.sampler()
-                processors = LogitsProcessorList([sampler] if sampler is not None else [])
+                extra, banned = generation_inputs(
+                    None if vision is None else vision[start : start + batch_size], ids, sampler
+                )
+                processors = LogitsProcessorList(([sampler] if sampler is not None else []) + banned)
                 out = model.generate(
-                    input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=processors
+                    input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=processors, **extra
                 )
                 chunks.append(out[:, ids.shape[1] :])
                 if sampler is not None:
@@ -282,10 +291,11 @@ def supports_logits_to_keep(model: nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
-def causal_lm_outputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, last: int):
+def causal_lm_outputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, last: int, vision=None):
     """One forward pass of a causal LM over (possibly left-padded) rows, positions taken from the mask, no KV cache;
     only the ``last`` logits are computed when the model supports ``logits_to_keep`` (callers slice the last ``last``
-    positions either way). Returns the model's output."""
+    positions either way). ``vision``: the rows' image inputs (:func:`~trl_ext.trainers.multimodal.add_vision_inputs`).
+    Returns the model's output."""
     kwargs = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
@@ -294,7 +304,7 @@ def causal_lm_outputs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
     }
     if supports_logits_to_keep(model):
         kwargs["logits_to_keep"] = last
-    return model(**kwargs)
+    return model(**add_vision_inputs(kwargs, vision))
 
 
 def forward_response(
@@ -307,6 +317,7 @@ def forward_response(
     return_values: bool = False,
     return_entropy: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    vision: VisionInputs | None = None,
 ) -> PolicyOutput:
     """Log-probs (and values, entropies) of the last ``response_length`` tokens of ``prompt + response`` rows.
 
@@ -314,10 +325,11 @@ def forward_response(
     from the mask; only the ``T + 1`` last logits are computed when the model supports ``logits_to_keep``; log-probs
     are ``log_softmax(logits / temperature)`` at the tokens, chunked (:func:`trl_ext.ops.logprobs_from_logits`).
     ``V_t`` is the critic output at the position *before* token ``t`` (the state the action is taken in). Gradients
-    flow through log-probs and values (entropies are computed without gradient, for logging).
+    flow through log-probs and values (entropies are computed without gradient, for logging). ``vision``: the rows'
+    image inputs (vision-language models).
     """
     T = response_length
-    out = causal_lm_outputs(model, input_ids, attention_mask, T + 1)
+    out = causal_lm_outputs(model, input_ids, attention_mask, T + 1, vision=vision)
     # The last T + 1 positions, whole: slicing off the final one would make the logits non-contiguous, and every pass
     # over them (log-probs forward and backward, entropy) would then copy them. The final position gets the ignored
     # label instead (log-prob exactly 0, no gradient) and is dropped from the results.
@@ -348,8 +360,9 @@ def rollout_logprobs(model: nn.Module, rollout: Rollout, batch_size: int, temper
     parts = []
     for chunk in rollout.split(batch_size):
         out = forward_response(
-            model, chunk.input_ids, chunk.attention_mask, chunk.response_length, temperature=temperature
-        )
+            model, chunk.input_ids, chunk.attention_mask, chunk.response_length, temperature=temperature,
+            vision=chunk.vision,
+        )  # fmt: skip
         parts.append(out.logprobs.float())
     return torch.cat(parts)
 
@@ -400,11 +413,11 @@ class RolloutReward:
       mask, so left/right padding and pad == eos are right);
     - anything else goes through :func:`~trl_ext.models.as_reward_function` (a ``(model, tokenizer)`` pair, a
       ``RewardFunction``, a callable ``(prompts, completions) -> scores``, a URL, a checkpoint path) and is scored on
-      the decoded texts.
+      the decoded texts; with ``uses_images`` it also gets the rows' PIL images as ``images=``.
     """
 
-    def __init__(self, reward, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, reward, tokenizer, uses_images: bool = False):
+        self.tokenizer, self.uses_images = tokenizer, uses_images
         self.model: nn.Module | None = None
         self.function: RewardFunction | None = None
         if isinstance(reward, nn.Module):
@@ -425,7 +438,7 @@ class RolloutReward:
         return self.model is not None
 
     @torch.no_grad()
-    def __call__(self, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
+    def __call__(self, prompt_ids, prompt_mask, response_ids, response_mask, vision=None) -> torch.Tensor:
         device = prompt_ids.device
         if self.model is not None:
             param = next(self.model.parameters(), None)
@@ -438,7 +451,9 @@ class RolloutReward:
                 return get_sequence_scores(self.model, ids, mask).float().to(device)
             finally:
                 self.model.train(was_training)
-        scores = self.function.score_token_ids(prompt_ids, response_ids, self.tokenizer, prompt_mask, response_mask)
+        kwargs = {"images": reward_images(vision)} if self.uses_images else {}
+        ids_and_masks = (prompt_ids, response_ids, self.tokenizer, prompt_mask, response_mask)
+        scores = self.function.score_token_ids(*ids_and_masks, **kwargs)
         return scores.float().to(device)
 
 
@@ -514,30 +529,36 @@ class RolloutGenerator:
         param = next(policy.parameters(), None)
         return param is None or param.dtype == torch.float32
 
-    def _values(self, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, T: int) -> torch.Tensor:
+    def _values(self, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, T: int, vision=None) -> torch.Tensor:
         """Critic values without the policy's log-probs: through ``critic_values`` when the module has it (e.g.
         :class:`~trl_ext.trainers.policy_value.PolicyAndValueModel`, which then skips the policy when the critic is
         a separate model), else through :func:`forward_response`."""
         critic_values = getattr(self._unwrapped(model), "critic_values", None)
         if critic_values is not None:
-            return critic_values(ids, mask, T)
-        out = forward_response(model, ids, mask, T, temperature=self.settings.temperature, return_values=True)
+            return critic_values(ids, mask, T, vision=vision)
+        out = forward_response(
+            model, ids, mask, T, temperature=self.settings.temperature, return_values=True, vision=vision
+        )
         return out.values
 
-    def __call__(self, model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Rollout:
+    def __call__(
+        self, model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, vision: VisionInputs | None = None
+    ) -> Rollout:
         """Sample and score responses for left-padded ``prompt_ids``/``prompt_mask`` ``(B_p, P)``.
 
         ``model`` is the trainable module as the trainer holds it (possibly DDP/DeepSpeed-wrapped); its forward
-        gives the policy's logits (and ``value`` with ``with_values``).
+        gives the policy's logits (and ``value`` with ``with_values``). ``vision``: the prompts' image inputs.
         """
         n = self.settings.num_samples_per_prompt
         prompt_ids = prompt_ids.repeat_interleave(n, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
+        vision = vision.repeat_interleave(n) if vision is not None else None
         start = time.perf_counter()
         with self._generation_model(model) as policy:
             responses, response_mask, contains_stop, sampled_logprobs = generate_responses(
-                policy, prompt_ids, prompt_mask, self.settings, self.forward_batch_size, return_logprobs=True
-            )
+                policy, prompt_ids, prompt_mask, self.settings, self.forward_batch_size, return_logprobs=True,
+                vision=vision,
+            )  # fmt: skip
             if not (self.logprobs_from_generation and self._full_precision(policy)):
                 sampled_logprobs = None
         generation_time = time.perf_counter() - start
@@ -552,14 +573,15 @@ class RolloutGenerator:
             with torch.no_grad(), self._autocast():
                 for s in range(0, ids.shape[0], self.forward_batch_size):
                     rows = slice(s, s + self.forward_batch_size)
+                    row_vision = vision[rows] if vision is not None else None
                     if sampled_logprobs is not None:
                         parts["logprobs"].append(sampled_logprobs[rows])
                         if self.with_values:
-                            parts["values"].append(self._values(model, ids[rows], mask[rows], T))
+                            parts["values"].append(self._values(model, ids[rows], mask[rows], T, row_vision))
                     else:
                         out = forward_response(
                             model, ids[rows], mask[rows], T, temperature=self.settings.temperature,
-                            return_values=self.with_values, chunk_size=self.chunk_size,
+                            return_values=self.with_values, chunk_size=self.chunk_size, vision=row_vision,
                         )  # fmt: skip
                         parts["logprobs"].append(out.logprobs)
                         if out.values is not None:
@@ -567,12 +589,11 @@ class RolloutGenerator:
                     with self.reference.module(self.policy_of(self._unwrapped(model))) as reference:
                         ref = forward_response(
                             reference, ids[rows], mask[rows], T,
-                            temperature=self.settings.temperature, chunk_size=self.chunk_size,
+                            temperature=self.settings.temperature, chunk_size=self.chunk_size, vision=row_vision,
                         )  # fmt: skip
                     parts["ref_logprobs"].append(ref.logprobs)
-                    parts["scores"].append(
-                        self.reward(prompt_ids[rows], prompt_mask[rows], responses[rows], response_mask[rows])
-                    )
+                    batch = (prompt_ids[rows], prompt_mask[rows], responses[rows], response_mask[rows])
+                    parts["scores"].append(self.reward(*batch, row_vision))
         finally:
             model.train(was_training)
         scores = torch.cat(parts["scores"])
@@ -590,4 +611,5 @@ class RolloutGenerator:
             values=torch.cat(parts["values"]) if parts["values"] else None,
             num_samples_per_prompt=n,
             timings={"generation": generation_time, "scoring": time.perf_counter() - start},
+            vision=vision,
         )

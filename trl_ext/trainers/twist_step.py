@@ -40,6 +40,7 @@ from ..models.twist import (
     twist_values,
 )
 from ..ops.logprobs import DEFAULT_CHUNK_SIZE, entropy_from_logits, full_logprobs, logprobs_from_logits
+from .multimodal import concat_vision
 from .rollout import causal_lm_outputs
 
 __all__ = [
@@ -267,9 +268,10 @@ def _common_layout(batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, int
 
 def _response_outputs(model: nn.Module, batches: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """One forward of ``model`` over all ``batches``: per batch, the ``(B, T, V)`` logits that score the response
-    tokens and (for a modulated model) the ``(B, T, V)`` modulation logits."""
+    tokens and (for a modulated model) the ``(B, T, V)`` modulation logits. Batches may carry image inputs
+    (``"vision"``, see :mod:`~trl_ext.trainers.multimodal`)."""
     ids, mask, t_max = _common_layout(batches)
-    out = causal_lm_outputs(model, ids, mask, t_max + 1)
+    out = causal_lm_outputs(model, ids, mask, t_max + 1, vision=concat_vision([b.get("vision") for b in batches]))
     logits = out.logits[:, -(t_max + 1) : -1]
     modulation = getattr(out, "modulation_logits", None)
     if modulation is not None:
