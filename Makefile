@@ -54,6 +54,7 @@ bench: setup
 bench-ppo: setup
 	test -x bench/.venv-trl112/bin/python || bash bench/setup_trl112_venv.sh
 	$(PY) bench/ppo_vs_trl112.py
+	$(PY) bench/ppo_floor.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build dist *.egg-info
