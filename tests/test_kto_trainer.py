@@ -172,6 +172,10 @@ def test_config_and_reference_errors(tiny_tokenizer, tmp_path):
     with pytest.raises(ValueError, match=r"ref_model=copy\.deepcopy\(model\)"):
         KTOTrainer(model=kit.build_causal_lm("llama", tiny_tokenizer), args=_args(tmp_path),
                    train_dataset=kit.unpaired_preference_dataset(n=8), processing_class=tiny_tokenizer)  # fmt: skip
+    model = kit.build_causal_lm("llama", tiny_tokenizer)
+    with pytest.raises(ValueError, match="KTOTrainer: `model` and `ref_model` are the same object"):
+        KTOTrainer(model=model, ref_model=model, args=_args(tmp_path),
+                   train_dataset=kit.unpaired_preference_dataset(n=8), processing_class=tiny_tokenizer)  # fmt: skip
 
 
 def test_modulated_policy_trains_with_an_extra_loss(tiny_tokenizer, tmp_path):

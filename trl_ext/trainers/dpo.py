@@ -204,8 +204,6 @@ class DPOTrainer(ExtraLossLogging, trl.DPOTrainer):
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
             args = DPOConfig(f"{name.rstrip('/').split('/')[-1]}-DPO")
-        if ref_model is model and model is not None and not isinstance(model, str):
-            raise ValueError("`model` and `ref_model` are the same object; pass `ref_model=copy.deepcopy(model)`.")
         check_reference_model(model, ref_model, args, peft_config, "DPOTrainer")
         extra = ExtraLoss(args, args.beta) if getattr(args, "extra_loss", None) else None
         requested_only = bool(getattr(args, "extra_loss_only", False))

@@ -218,13 +218,19 @@ def _fsdp_requested(args) -> bool:
 
 
 def check_reference_model(model, ref_model, args, peft_config, trainer: str) -> None:
-    """Refuse ``ref_model=None`` where TRL would have to rebuild the reference from ``config._name_or_path`` and
-    cannot: a model built from a config (no path), or a trl_ext model class (TRL would load a plain
-    ``transformers`` class from the path, silently dropping the modulation or value head).
+    """Refuse ``ref_model is model`` (the reference would train along), and ``ref_model=None`` where TRL would have
+    to rebuild the reference from ``config._name_or_path`` and cannot: a model built from a config (no path), or a
+    trl_ext model class (TRL would load a plain ``transformers`` class from the path, silently dropping the
+    modulation or value head).
 
     Nothing is required with PEFT (the reference is the model with its adapters disabled) or with
     ``precompute_ref_log_probs=True`` outside FSDP (TRL then scores the reference with the initial model itself).
     """
+    if ref_model is model and model is not None and not isinstance(model, str):
+        raise ValueError(
+            f"{trainer}: `model` and `ref_model` are the same object, so the reference would train with the policy; "
+            "pass `ref_model=copy.deepcopy(model)` (a frozen copy made before training)."
+        )
     if ref_model is not None or peft_config is not None or isinstance(model, str) or is_peft_model(model):
         return
     if args.precompute_ref_log_probs and not _fsdp_requested(args):
