@@ -166,6 +166,78 @@ def test_4bit_reward_model_scores_and_head_stays_trainable(tiny_reward_dir, tiny
     assert not torch.equal(peft_model.base_model.model.score.modules_to_save["default"].weight, head_before)
 
 
+def _has_cpu_inference_repacking() -> bool:
+    """Whether this machine's bitsandbytes repacks 4-bit weights for CPU inference (AVX512-BF16 CPUs)."""
+    from bitsandbytes.functional import has_avx512bf16
+
+    return bool(has_avx512bf16())
+
+
+@requires_bnb
+def test_qlora_trains_every_layer_after_an_eval_forward(tiny_llama_dir):
+    # The trainers alternate eval-mode no-grad passes (sampling, scoring) with training. On bitsandbytes 0.50 the
+    # first such pass repacks the 4-bit weights for inference and the layers stop passing gradients down; the loaders
+    # and apply_lora switch that off (keep_4bit_layers_trainable). Without it, the lower layers' adapters get no
+    # gradient here and eval/train logits differ by the bf16 kernel's error.
+    model = q.load_causal_lm(tiny_llama_dir, load_in_4bit=True, prepare_for_training=True)
+    peft_model = apply_lora(model, r=4, alpha=8, init_lora_weights=False)  # non-zero B: gradients reach A too
+    ids = _input_ids()
+    peft_model.eval()
+    with torch.no_grad():
+        eval_logits = peft_model(input_ids=ids).logits
+    linear4bit = _linear4bit_types()
+    layers = [m for m in peft_model.modules() if isinstance(m, linear4bit)]
+    assert layers and not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in layers)
+    peft_model.train()
+    logits = peft_model(input_ids=ids).logits
+    torch.testing.assert_close(logits.detach(), eval_logits, rtol=1e-5, atol=1e-5)
+    logits.logsumexp(-1).mean().backward()
+    lora_a = {n: p for n, p in peft_model.named_parameters() if "lora_A" in n}
+    no_grad = [n for n, p in lora_a.items() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not no_grad, f"adapters without gradient: {no_grad}"
+    assert any(".layers.0." in n for n in lora_a)  # the lowest block is among them
+
+
+@requires_bnb
+def test_keep_4bit_layers_trainable_undoes_an_earlier_repacking(tiny_llama_dir):
+    if not _has_cpu_inference_repacking():
+        pytest.skip("bitsandbytes does not repack 4-bit weights on this CPU (no AVX512-BF16)")
+    model = q.load_causal_lm(tiny_llama_dir, load_in_4bit=True)  # not prepared: repacking stays on
+    ids = _input_ids()
+    with torch.no_grad():
+        model.eval()(input_ids=ids)
+    layers = [m for m in model.modules() if isinstance(m, _linear4bit_types())]
+    assert all(m.weight.quant_state.packing_format_for_cpu for m in layers)
+    with pytest.warns(UserWarning, match=r"repacked by bitsandbytes for CPU inference"):
+        assert q.keep_4bit_layers_trainable(model) == len(layers)
+    assert not any(m.weight.quant_state.packing_format_for_cpu for m in layers)
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+    model.train()(inputs_embeds=embeds).logits.sum().backward()
+    assert embeds.grad is not None and embeds.grad.abs().sum() > 0  # gradient crosses every 4-bit layer again
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert q.keep_4bit_layers_trainable(model) == len(layers)  # idempotent, silent
+    assert q.keep_4bit_layers_trainable(nn.Linear(2, 2)) == 0
+
+
+@requires_bnb
+def test_upstream_cpu_repacking_still_cuts_gradients(tiny_llama_dir):
+    """The bitsandbytes behaviour `keep_4bit_layers_trainable` works around (0.50.2). When this fails, upstream has
+    fixed it: the workaround can go, and this test with it."""
+    if not _has_cpu_inference_repacking():
+        pytest.skip("bitsandbytes does not repack 4-bit weights on this CPU (no AVX512-BF16)")
+    model = q.load_causal_lm(tiny_llama_dir, load_in_4bit=True)
+    ids = _input_ids()
+    with torch.no_grad():
+        model.eval()(input_ids=ids)
+    layer = model.model.layers[0].self_attn.q_proj
+    assert layer.weight.quant_state.packing_format_for_cpu  # repacked by the eval pass
+    x = torch.randn(2, layer.in_features, requires_grad=True)
+    with pytest.warns(UserWarning, match="autograd kernel was not registered"):
+        layer.train()(x).sum().backward()
+    assert x.grad is None  # the repacked layer has no backward: the gradient stops here
+
+
 @requires_bnb
 def test_quantized_head_is_reported(tiny_reward_dir):
     # `skip_modules=[]` replaces transformers' default skips, so the score head is quantised too.
@@ -184,3 +256,40 @@ def test_8bit_load_runs_on_cpu(tiny_llama_dir):
     assert isinstance(model.model.layers[0].self_attn.q_proj, bnb.nn.Linear8bitLt)
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=_input_ids()).logits).all()
+
+
+@requires_bnb
+def test_ppo_trains_every_adapter_of_a_4bit_policy(
+    tmp_path, tiny_llama_dir, tiny_llama_reward_dir, tiny_prompt_dataset
+):
+    """A QLoRA policy loaded by plain transformers (not our loader) goes through PPO's sampling in eval mode and then
+    trains: every adapter, down to the first block, must change (bitsandbytes' CPU repacking would freeze them)."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from trl_ext import PPOConfig, PPOTrainer
+
+    policy = AutoModelForCausalLM.from_pretrained(
+        tiny_llama_dir, quantization_config=q.bnb_4bit_config(), dtype=torch.float32
+    )
+    args = PPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_ppo_epochs=1, num_mini_batches=1,
+        total_episodes=4, response_length=4, learning_rate=1e-2, report_to="none", save_strategy="no",
+        num_sample_generations=0, activation_checkpointing=False, seed=0,
+    )  # fmt: skip
+    trainer = PPOTrainer(
+        args=args,
+        processing_class=AutoTokenizer.from_pretrained(tiny_llama_dir),
+        model=policy,
+        ref_model=None,
+        reward_model=AutoModelForSequenceClassification.from_pretrained(tiny_llama_reward_dir, num_labels=1),
+        value_model=AutoModelForSequenceClassification.from_pretrained(tiny_llama_reward_dir, num_labels=1),
+        train_dataset=tiny_prompt_dataset,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
+    lora = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
+    assert any(".layers.0." in n for n in lora)
+    trainer.train()
+    after = dict(trainer.model.named_parameters())
+    unchanged = [n for n in lora if torch.equal(after[n], lora[n])]
+    assert not unchanged, f"adapters that did not train: {unchanged}"

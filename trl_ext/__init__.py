@@ -4,7 +4,11 @@ from importlib import import_module
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
-from .losses import LossOutput, available_losses, get_loss, register_loss
+from ._notices import install_notice_filters
+
+install_notice_filters()  # before transformers/PEFT import bitsandbytes (see trl_ext/_notices.py)
+
+from .losses import LossOutput, available_losses, get_loss, register_loss  # noqa: E402
 
 try:
     __version__ = _version("trl_ext")

@@ -33,6 +33,8 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from torch import nn
 
+from .quantization import keep_4bit_layers_trainable
+
 __all__ = [
     "OUTPUT_EMBEDDING_NAMES",
     "TRAINABLE_HEAD_NAMES",
@@ -427,6 +429,7 @@ def apply_lora(
         task_type=task_type,
         **lora_kwargs,
     )
+    keep_4bit_layers_trainable(model)  # QLoRA: see its docstring (bitsandbytes' CPU inference repacking)
     peft_model = get_peft_model(model, config, adapter_name=adapter_name)
     trainable, total = count_parameters(peft_model)
     saved = sorted(set(peft_model.peft_config[adapter_name].modules_to_save or []))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -31,6 +32,7 @@ __all__ = [
     "bnb_8bit_config",
     "is_bitsandbytes_available",
     "is_quantized",
+    "keep_4bit_layers_trainable",
     "load_causal_lm",
     "load_model",
     "load_sequence_classifier",
@@ -139,6 +141,59 @@ def bnb_8bit_config(skip_modules: list[str] | None = None):
 def is_quantized(model) -> bool:
     """True for a model loaded with bitsandbytes 4-bit or 8-bit weights."""
     return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
+
+
+# ------------------------------------------------------------------------------------- 4-bit layers that train
+def keep_4bit_layers_trainable(model: torch.nn.Module) -> int:
+    """Keep bitsandbytes' CPU inference repacking away from the 4-bit layers of a model that will be trained.
+
+    bitsandbytes 0.50 (checked up to 0.50.2), on a CPU with AVX512-BF16, rewrites a `Linear4bit` layer's weight into
+    an inference-only layout the first time the layer runs in eval mode on an input that needs no gradient (a
+    `torch.no_grad()` scoring pass, or generation). The rewrite is never undone when the model goes back to
+    `train()`: every later forward takes a bf16 kernel that has no backward. A bias then fails with "a view of a
+    leaf Variable that requires grad is being used in an in-place operation"; without a bias it is worse, the
+    layer silently cuts the gradient to everything below it (LoRA adapters of lower layers stop learning), and
+    eval-mode log-probs (bf16) no longer match training-mode ones (fp32). Trainers of a QLoRA policy, reward model
+    or critic alternate exactly like that.
+
+    This turns the repacking off on every 4-bit layer of ``model`` (``support_avx512bf16_for_cpu = False``, the
+    attribute bitsandbytes reads before repacking) and converts back any layer already repacked, with
+    bitsandbytes' own inverse (the one its ``state_dict`` uses; that round trip keeps bitsandbytes' bf16 rounding of
+    the scales, so a warning says so). Frozen 4-bit models used only for inference are better left alone. The
+    loaders (`load_model(..., prepare_for_training=True)`), `apply_lora` and every trl_ext trainer call this on the
+    model they train; call it yourself when you train a 4-bit model another way.
+
+    Returns:
+        The number of 4-bit layers seen (0 when bitsandbytes was never imported or the model has none).
+    """
+    bnb = sys.modules.get("bitsandbytes")  # a model cannot hold bitsandbytes layers unless it was imported
+    if bnb is None:
+        return 0
+    linear4bit = getattr(getattr(bnb, "nn", None), "Linear4bit", None)
+    if linear4bit is None:
+        return 0
+    seen = repacked = 0
+    for module in model.modules():
+        if not isinstance(module, linear4bit):
+            continue
+        seen += 1
+        module.support_avx512bf16_for_cpu = False
+        weight = module.weight
+        state = getattr(weight, "quant_state", None)
+        if state is not None and getattr(state, "packing_format_for_cpu", False):
+            from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+            weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, state)
+            module.quant_state = weight.quant_state
+            repacked += 1
+    if repacked:
+        warnings.warn(
+            f"{repacked} 4-bit layer(s) had been repacked by bitsandbytes for CPU inference (an eval-mode forward "
+            "before training); they were converted back so that they train, with their scales rounded to bf16 by "
+            "that repacking. Call keep_4bit_layers_trainable(model) before any eval-mode forward to avoid it.",
+            stacklevel=2,
+        )
+    return seen
 
 
 # ---------------------------------------------------------------------------------------------------------- dtype
@@ -285,6 +340,7 @@ def load_model(
     if prepare_for_training and is_quantized(model):
         from peft import prepare_model_for_kbit_training
 
+        keep_4bit_layers_trainable(model)
         model = prepare_model_for_kbit_training(
             model,
             use_gradient_checkpointing=gradient_checkpointing,

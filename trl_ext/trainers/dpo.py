@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import trl
 
+from ..models.quantization import keep_4bit_layers_trainable
 from .preference_common import (
     _DUPLICATES_TRL_LOSS,
     ExtraLoss,
@@ -235,6 +236,7 @@ class DPOTrainer(ExtraLossLogging, trl.DPOTrainer):
         )
         restore_native_fused_forward(self.model)
         restore_native_fused_forward(self.ref_model)
+        keep_4bit_layers_trainable(self.model)  # a QLoRA policy: TRL's evaluation runs it in eval mode
         self.extra_loss = extra
         self.extra_loss_only = extra_only
         self.has_chosen = missing == "none"  # placeholder chosen completions are not logged as chosen ones

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import trl
 
+from ..models.quantization import keep_4bit_layers_trainable
 from .preference_common import (
     ExtraLoss,
     ExtraLossArguments,
@@ -117,6 +118,7 @@ class KTOTrainer(ExtraLossLogging, trl.KTOTrainer):
         )
         restore_native_fused_forward(self.model)
         restore_native_fused_forward(self.ref_model)
+        keep_4bit_layers_trainable(self.model)  # a QLoRA policy: TRL's evaluation runs it in eval mode
         self.extra_loss = extra
         self.init_extra_metrics()
         if extra is not None:

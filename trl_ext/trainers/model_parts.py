@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..models.lora import is_peft_model
+from ..models.quantization import keep_4bit_layers_trainable
 
 __all__ = ["ModelParts", "add_adapters", "shares_parameters"]
 
@@ -40,6 +41,7 @@ def add_adapters(model: nn.Module, peft_config, what: str = "model", prepare: Ca
         )
     if prepare is not None:
         peft_config = prepare(peft_config)
+    keep_4bit_layers_trainable(model)
     return get_peft_model(model, peft_config)
 
 

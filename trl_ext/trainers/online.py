@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 from transformers.trainer_utils import enable_full_determinism, set_seed
 from trl.trainer import disable_dropout_in_model
 
+from ..models.quantization import keep_4bit_layers_trainable
 from . import checkpoint as ckpt
 from .data import PromptCollator, RolloutSampler, check_pad_token, prepare_prompt_dataset, tokenizer_of
 from .multimodal import (
@@ -135,6 +136,7 @@ class OnlineTrainerMixin(abc.ABC):
             tagged.add_model_tags(self._tag_names)
         if data_collator is None:
             data_collator = self._default_collator()
+        keep_4bit_layers_trainable(model)  # a QLoRA policy/critic alternates eval-mode sampling and training
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
         self._place_frozen_models()
 
