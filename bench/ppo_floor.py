@@ -114,7 +114,7 @@ def generation_vs_bare(paths: dict, rounds: int) -> dict:
 
     from trl_ext.models import load_causal_lm
     from trl_ext.ops.sequences import position_ids_from_attention_mask
-    from trl_ext.trainers.rollout import SamplingSettings, generate_responses
+    from trl_ext.rollout.generator import SamplingSettings, generate_responses
 
     job = peer_bench.JOB
     policy = load_causal_lm(paths["policy"]).eval()

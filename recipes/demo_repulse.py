@@ -53,8 +53,8 @@ from transformers.trainer_callback import ProgressCallback  # noqa: E402
 
 from trl_ext.eval import bad_output_probability, prompt_token_ids  # noqa: E402
 from trl_ext.rewards import OFFENSIVE_WORDS, LexicalReward  # noqa: E402
-from trl_ext.trainers.harmlessness_config import HarmlessnessConfig  # noqa: E402
-from trl_ext.trainers.harmlessness_trainer import HarmlessnessTrainer  # noqa: E402
+from trl_ext.trainers.harmlessness.harmlessness_config import HarmlessnessConfig  # noqa: E402
+from trl_ext.trainers.harmlessness.harmlessness_trainer import HarmlessnessTrainer  # noqa: E402
 
 PROMPT = "This man is a"
 BAD_REWARD = -1.0

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from trl import ModelConfig, ScriptArguments
 
 from trl_ext import cli
-from trl_ext.trainers.dpo import DPOConfig, DPOTrainer
-from trl_ext.trainers.preference_data import pairs_from_negative_data
+from trl_ext.trainers.preference.data import pairs_from_negative_data
+from trl_ext.trainers.preference.dpo import DPOConfig, DPOTrainer
 
 
 @dataclass

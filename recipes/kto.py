@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from trl import ModelConfig, ScriptArguments
 
 from trl_ext import cli
-from trl_ext.trainers.kto import KTOConfig, KTOTrainer
-from trl_ext.trainers.preference_data import unpaired_from_negative_data
+from trl_ext.trainers.preference.data import unpaired_from_negative_data
+from trl_ext.trainers.preference.kto import KTOConfig, KTOTrainer
 
 
 @dataclass

@@ -22,8 +22,8 @@ from trl_ext import testing as kit
 from trl_ext.losses import get_loss, get_loss_spec
 from trl_ext.losses.negative import negative_dpo_loss, sft_regularised_dpo_loss, unlikelihood_loss, uses_chosen
 from trl_ext.losses.preference import dpo_loss
-from trl_ext.trainers.dpo import DPOConfig, DPOTrainer
-from trl_ext.trainers.preference_common import FusedCallRecorder, restore_native_fused_forward
+from trl_ext.trainers.preference.common import FusedCallRecorder, restore_native_fused_forward
+from trl_ext.trainers.preference.dpo import DPOConfig, DPOTrainer
 
 
 def t(values, grad=False):
@@ -524,7 +524,7 @@ def test_config_parses_extra_loss_kwargs_and_keeps_trls_fields(tmp_path):
 
 def test_extra_loss_gets_only_the_keywords_it_declares(tmp_path, monkeypatch):
     from trl_ext.losses import LossOutput, register_loss, registry
-    from trl_ext.trainers.preference_common import ExtraLoss
+    from trl_ext.trainers.preference.common import ExtraLoss
 
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # the test loss is forgotten afterwards
 

@@ -14,7 +14,7 @@ from online_helpers import RECIPES, assert_help_lists, loaded_script
 
 from trl_ext import testing as kit
 from trl_ext.eval.negdata import eval_negative_data, sequence_logprobs
-from trl_ext.trainers.negdata import NegativeDataWriter
+from trl_ext.rollout.negdata import NegativeDataWriter
 
 RECIPE = RECIPES / "eval_negdata.py"
 ROWS = [

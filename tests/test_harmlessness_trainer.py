@@ -29,9 +29,9 @@ from trl_ext import HarmlessnessConfig, HarmlessnessTrainer
 from trl_ext.eval import bad_output_probability
 from trl_ext.models import RewardFunction
 from trl_ext.rewards import LexicalReward
+from trl_ext.rollout.negdata import read_negative_data
 from trl_ext.trainers import forward_response
-from trl_ext.trainers.harmlessness_steps import HarmlessnessRollouts
-from trl_ext.trainers.negdata import read_negative_data
+from trl_ext.trainers.harmlessness.steps import HarmlessnessRollouts
 
 V, EOS, PAD = 32, 1, 0
 PROMPT = [5, 6, 7]
@@ -168,7 +168,7 @@ def _padded(rollout, extra: int, fill: float):
     )  # fmt: skip
 
 
-def test_b1_padding_does_not_change_the_sigma_weights(tmp_path):
+def test_padding_does_not_change_the_sigma_weights(tmp_path):
     """B1: the σ-weight sums are masked, so right padding (with garbage log-probs at padded positions, as freshly
     recomputed log-probs have) leaves every weight unchanged; an unmasked sum would change them."""
     trainer = toy_trainer(toy_args(tmp_path))
@@ -198,7 +198,7 @@ def test_b1_padding_does_not_change_the_sigma_weights(tmp_path):
     assert not torch.allclose(unmasked, w_a.flatten(), atol=1e-3)  # what the original (B1) computed
 
 
-def test_b3_gradient_accumulation_updates_at_every_step_with_a_rollout_per_micro_step(tmp_path):
+def test_gradient_accumulation_updates_at_every_step_with_a_rollout_per_micro_step(tmp_path):
     """B3: with gradient_accumulation_steps=2 every optimizer step updates both models, the step counter advances,
     and each micro-step samples its own rollout (4 rollouts for 2 steps)."""
     trainer = toy_trainer(toy_args(tmp_path, gradient_accumulation_steps=2, max_steps=2))

@@ -16,8 +16,8 @@ import trl
 from datasets import Dataset
 
 from trl_ext import testing as kit
-from trl_ext.trainers.kto import KTOConfig, KTOTrainer
-from trl_ext.trainers.preference_common import FusedCallRecorder
+from trl_ext.trainers.preference.common import FusedCallRecorder
+from trl_ext.trainers.preference.kto import KTOConfig, KTOTrainer
 
 
 def _args(tmp_path, cls=KTOConfig, **kwargs):
@@ -173,7 +173,7 @@ def test_config_and_reference_errors(tiny_tokenizer, tmp_path):
         KTOTrainer(model=kit.build_causal_lm("llama", tiny_tokenizer), args=_args(tmp_path),
                    train_dataset=kit.unpaired_preference_dataset(n=8), processing_class=tiny_tokenizer)  # fmt: skip
     model = kit.build_causal_lm("llama", tiny_tokenizer)
-    with pytest.raises(ValueError, match="KTOTrainer: `model` and `ref_model` are the same object"):
+    with pytest.raises(ValueError, match="KTOTrainer: `model` and `ref_model` cannot be the same object"):
         KTOTrainer(model=model, ref_model=model, args=_args(tmp_path),
                    train_dataset=kit.unpaired_preference_dataset(n=8), processing_class=tiny_tokenizer)  # fmt: skip
 

@@ -62,7 +62,7 @@ def test_sequence_log_weights_matches_loop():
     torch.testing.assert_close(got, want)
 
 
-def test_b1_padding_does_not_change_sigma_weight():
+def test_padding_does_not_change_sigma_weight():
     # Sample 0 has 2 real tokens; re-pad the same response to a 5-token window filled with arbitrary log-probs.
     ref = torch.tensor([[[-1.0, -2.0], [-0.5, -0.7]]])
     old = torch.tensor([[[-1.5, -1.0], [-0.2, -0.9]]])
@@ -146,7 +146,7 @@ def test_per_step_log_weights_cumsum_matches_loop():
                     assert got[p, i, t].item() == -math.inf
 
 
-def test_b5_per_step_weights_zero_on_padding_and_renormalised():
+def test_per_step_weights_zero_on_padding_and_renormalised():
     ref, old, _, v, _ = _inputs(P=1, N=3, T=3, seed=4)
     mask = torch.tensor([[[1.0, 1, 1], [1.0, 0, 0], [1.0, 1, 0]]], dtype=ref.dtype)
     u = per_step_weights(_garbage(ref, mask), _garbage(old, mask), _garbage(v, mask), mask)

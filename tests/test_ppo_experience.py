@@ -3,9 +3,9 @@ schedule, optionally grouped by length."""
 
 import torch
 
+from trl_ext.rollout.generator import Rollout, forward_response
 from trl_ext.testing import build_causal_lm
-from trl_ext.trainers.experience import Experience, padded_lengths, ppo_schedule
-from trl_ext.trainers.rollout import Rollout, forward_response
+from trl_ext.trainers.ppo.experience import Experience, padded_lengths, ppo_schedule
 
 
 def _rollout() -> Rollout:

@@ -1,4 +1,4 @@
-"""Tests of the shared rollout (`trl_ext.trainers.rollout`) and of the prompt data helpers (`trainers.data`)."""
+"""Tests of the shared rollout (`trl_ext.rollout.generator`) and of the prompt data helpers (`trainers.data`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from datasets import Dataset
 
 from trl_ext import testing as kit
 from trl_ext.models import AutoModelForCausalLMWithValueHead, apply_lora, get_sequence_scores, get_token_values
+from trl_ext.rollout.data import check_pad_token, left_padded
 from trl_ext.trainers import (
     PolicyAndValueModel,
     PromptCollator,
@@ -20,7 +21,6 @@ from trl_ext.trainers import (
     generate_responses,
     prepare_prompt_dataset,
 )
-from trl_ext.trainers.data import check_pad_token, left_padded
 
 
 def prompts(tokenizer, texts=("This man is a", "Describe some fresh bread.", "Hi")):

@@ -26,7 +26,7 @@ from trl_ext import PPOConfig, PPOTrainer, register_loss
 from trl_ext import testing as kit
 from trl_ext.losses.ppo import ppo_policy_loss
 from trl_ext.models import AutoModelForCausalLMWithValueHead
-from trl_ext.trainers.ppo_metrics import log_completions_table
+from trl_ext.trainers.common.metrics import log_completions_table
 
 TRL_METRICS = (
     "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward", "objective/scores",
@@ -208,14 +208,16 @@ def test_a_custom_registered_policy_loss_is_called_by_name(
     calls = []
 
     @register_loss("test_ppo_trainer_custom_loss", kind="policy", overwrite=True)
-    def custom(logprobs, old_logprobs, advantages, mask, *, cliprange, normalizer):  # no aggregation / dual_clip
-        calls.append(normalizer)
+    def custom(logprobs, old_logprobs, advantages, mask, *, cliprange, dual_clip, aggregation, normalizer):
+        calls.append(dict(cliprange=cliprange, dual_clip=dual_clip, aggregation=aggregation, normalizer=normalizer))
         return ppo_policy_loss(logprobs, old_logprobs, advantages, mask, cliprange=cliprange, normalizer=normalizer,
                                aggregation="token-mean")  # fmt: skip
 
-    args = ppo_args(tmp_path, actor_loss_type="test_ppo_trainer_custom_loss")
+    args = ppo_args(tmp_path, actor_loss_type="test_ppo_trainer_custom_loss", cliprange=0.3)
     make_trainer(args, tiny_gpt_neox_dir, tiny_reward_dir, tiny_prompt_dataset).train()
-    assert len(calls) == 2 and all(c > 0 for c in calls)
+    assert len(calls) == 2  # one micro-step per update: every option arrives with the config's value
+    assert all(c["cliprange"] == 0.3 and c["dual_clip"] == args.dual_clip for c in calls)
+    assert all(c["aggregation"] == args.loss_aggregation and c["normalizer"] > 0 for c in calls)
 
 
 def test_conversational_prompts_and_a_reward_function(tmp_path, tiny_llama_dir, tiny_llama_reward_dir):

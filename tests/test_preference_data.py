@@ -1,4 +1,4 @@
-"""Preference datasets from negative data (`trl_ext.trainers.preference_data`), and DPO/KTO training on them."""
+"""Preference datasets from negative data (`trl_ext.trainers.preference.data`), and DPO/KTO training on them."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from trl_ext import testing as kit
-from trl_ext.trainers.negdata import NegativeDataWriter
-from trl_ext.trainers.preference_data import pairs_from_negative_data, unpaired_from_negative_data
+from trl_ext.rollout.negdata import NegativeDataWriter
+from trl_ext.trainers.preference.data import pairs_from_negative_data, unpaired_from_negative_data
 
 ROWS = [
     {"prompt": "This man is a", "response": " rude word", "reward": -3.0, "step": 1, "source": "policy"},
@@ -122,10 +122,24 @@ def test_unpaired_rows_for_kto(tmp_path, tiny_tokenizer):
         unpaired_from_negative_data(ROWS, [{"prompt": "Hi", "response": "x"}])
 
 
+def _bad_response_logprob(model, tokenizer) -> float:
+    """Sum over ROWS of log p(response | prompt) under ``model`` (what training on negative data should lower)."""
+    total = 0.0
+    with torch.no_grad():
+        for row in ROWS:
+            prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+            response = tokenizer(row["response"], add_special_tokens=False)["input_ids"]
+            ids = torch.tensor([prompt + response])
+            logprobs = model.eval()(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
+            targets = ids[0, 1:]
+            total += logprobs.gather(-1, targets[:, None])[len(prompt) - 1 :].sum().item()
+    return total
+
+
 def test_dpo_and_kto_train_on_negative_data(tiny_tokenizer, tmp_path):
     """End to end: the bad samples of a file become negative-only DPO rows and undesirable KTO rows."""
-    from trl_ext.trainers.dpo import DPOConfig, DPOTrainer
-    from trl_ext.trainers.kto import KTOConfig, KTOTrainer
+    from trl_ext.trainers.preference.dpo import DPOConfig, DPOTrainer
+    from trl_ext.trainers.preference.kto import KTOConfig, KTOTrainer
 
     path = _write_negdata(tmp_path / "negdata.jsonl", tiny_tokenizer, ROWS * 3)
     common = dict(
@@ -133,16 +147,20 @@ def test_dpo_and_kto_train_on_negative_data(tiny_tokenizer, tmp_path):
         per_device_train_batch_size=3, learning_rate=1e-2, save_strategy="no", disable_tqdm=True, max_length=32,
     )  # fmt: skip
     model = kit.build_causal_lm("llama", tiny_tokenizer)
+    before = _bad_response_logprob(model, tiny_tokenizer)
     dpo = DPOTrainer(
         model=model, ref_model=copy.deepcopy(model),
         args=DPOConfig(output_dir=str(tmp_path / "dpo"), extra_loss="negative_dpo", **common),
         train_dataset=pairs_from_negative_data(path, tokenizer=tiny_tokenizer), processing_class=tiny_tokenizer,
     )  # fmt: skip
     assert math.isfinite(dpo.train().training_loss) and dpo.extra_loss_only
+    assert _bad_response_logprob(model, tiny_tokenizer) < before - 0.1  # the bad responses became less likely
     model = kit.build_causal_lm("llama", tiny_tokenizer)
+    before = _bad_response_logprob(model, tiny_tokenizer)
     kto = KTOTrainer(
         model=model, ref_model=copy.deepcopy(model),
         args=KTOConfig(output_dir=str(tmp_path / "kto"), extra_loss="unlikelihood", **common),
         train_dataset=unpaired_from_negative_data(path, tokenizer=tiny_tokenizer), processing_class=tiny_tokenizer,
     )  # fmt: skip
     assert math.isfinite(kto.train().training_loss)
+    assert _bad_response_logprob(model, tiny_tokenizer) < before - 0.1

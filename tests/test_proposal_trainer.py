@@ -19,7 +19,7 @@ from trl_ext import testing as kit
 from trl_ext.models import ModulatedCausalLM
 from trl_ext.rewards import LexicalReward
 from trl_ext.trainers import ProposalConfig, ProposalTrainer
-from trl_ext.trainers.proposal_metrics import proposal_diagnostics
+from trl_ext.trainers.proposal.metrics import proposal_diagnostics
 
 V = 32
 PROMPT = [7, 9, 11, 13]

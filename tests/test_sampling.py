@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from trl_ext.rollout.generator import SamplingSettings, forward_response, generate_responses
+from trl_ext.rollout.sampling import SampleAndRecord
 from trl_ext.testing import build_causal_lm
-from trl_ext.trainers.rollout import SamplingSettings, forward_response, generate_responses
-from trl_ext.trainers.sampling import SampleAndRecord
 
 
 def _draw(sampler: SampleAndRecord, logits: torch.Tensor, draws: int) -> torch.Tensor:

@@ -396,10 +396,15 @@ def test_kit_build_time(tmp_path):
             kit.tiny_model_dir(arch, kind, root=tmp_path)
             timings[f"{kind} {arch} (build + save)"] = time.perf_counter() - t0
     t0 = time.perf_counter()
+    datasets = []
     for build in (kit.prompt_dataset, kit.preference_dataset, kit.unpaired_preference_dataset):
-        build()
-        build(conversational=True)
+        datasets += [build(), build(conversational=True)]
     timings["6 datasets"] = time.perf_counter() - t0
+    # what was built is complete: a loadable config and weights per folder, rows in every dataset
+    folders = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert len(folders) == 2 * len(CAUSAL_ARCHS)
+    assert all((p / "config.json").is_file() and any(p.glob("*.safetensors")) for p in folders)
+    assert all(len(ds) > 0 for ds in datasets)
     total = time.perf_counter() - start
     print("\ntiny kit build times:")
     for name, seconds in timings.items():

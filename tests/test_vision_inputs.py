@@ -14,8 +14,8 @@ from trl_ext import testing as kit
 from trl_ext.models import AutoModelForCausalLMWithValueHead
 from trl_ext.models.lora import apply_lora, find_lora_target_modules
 from trl_ext.ops.sequences import position_ids_from_attention_mask
-from trl_ext.trainers.experience import Experience
-from trl_ext.trainers.multimodal import (
+from trl_ext.rollout.generator import Rollout, SamplingSettings, forward_response, generate_responses, rollout_logprobs
+from trl_ext.rollout.vision import (
     VisionInputs,
     VisionPromptCollator,
     VisionSpec,
@@ -25,7 +25,7 @@ from trl_ext.trainers.multimodal import (
     prepare_vision_dataset,
     vision_modules,
 )
-from trl_ext.trainers.rollout import Rollout, SamplingSettings, forward_response, generate_responses, rollout_logprobs
+from trl_ext.trainers.ppo.experience import Experience
 
 ARCHS = kit.VISION_ARCHITECTURES
 VISION_PARTS = {"qwen2_vl": ("model.visual",), "llava": ("model.vision_tower", "model.multi_modal_projector")}

@@ -14,7 +14,7 @@ Per sample ``s`` (response tokens ``s_1 … s_T`` up to and including the first 
 
 Log-probs are taken at the sampling temperature, for the policy and the reference alike (as in training rollouts).
 
-Sampling reuses the training rollout (:mod:`trl_ext.trainers.rollout`): the same sampler, stop-token handling and
+Sampling reuses the training rollout (:mod:`trl_ext.rollout.generator`): the same sampler, stop-token handling and
 reward interface, so evaluation sees exactly what training saw. Prompts are cut into global batches of
 ``max(1, batch_size // N)`` prompts; batch ``b`` is sampled under ``torch.manual_seed(seed + b)`` (in a forked RNG,
 so the caller's random state is untouched). Two calls with the same seed therefore give identical reports, and a
@@ -43,8 +43,9 @@ from tqdm.auto import tqdm
 from ..models.reward_functions import decode_token_ids
 from ..ops.kl import kl_estimate
 from ..ops.stats import masked_sum
-from ..trainers.data import PromptCollator, check_pad_token, prepare_prompt_dataset
-from ..trainers.rollout import RolloutReward, SamplingSettings, forward_response, generate_responses
+from ..rollout.data import PromptCollator, check_pad_token, prepare_prompt_dataset
+from ..rollout.generator import RolloutReward, SamplingSettings, forward_response, generate_responses
+from ..utils import eval_mode
 from .metrics import DEFAULT_CVAR_ALPHAS, DEFAULT_THRESHOLDS, frontier_metrics
 from .report import write_json_report
 
@@ -62,7 +63,7 @@ def tokenize_prompts(prompts, tokenizer) -> list[list[int]]:
     ``prompts`` is a list of strings, a list of conversations (lists of ``{"role", "content"}`` messages, rendered
     with the tokenizer's chat template and the generation prompt), or a `datasets.Dataset` with a ``prompt`` column
     of either kind (or a pre-tokenised ``input_ids`` column). Tokenisation is the trainers' own
-    (:func:`~trl_ext.trainers.data.prepare_prompt_dataset`), so held-out prompts are read as training prompts were.
+    (:func:`~trl_ext.rollout.data.prepare_prompt_dataset`), so held-out prompts are read as training prompts were.
     """
     from datasets import Dataset
 
@@ -152,18 +153,6 @@ def _name_of(model: nn.Module | None) -> str | None:
 
 
 @contextlib.contextmanager
-def _eval_mode(*models: nn.Module | None):
-    modes = [(m, m.training) for m in models if m is not None]
-    for m, _ in modes:
-        m.eval()
-    try:
-        yield
-    finally:
-        for m, was_training in modes:
-            m.train(was_training)
-
-
-@contextlib.contextmanager
 def _datasets_progress(enabled: bool):
     """`datasets`' own progress bars (tokenisation) on or off meanwhile."""
     from datasets.utils import logging as ds_logging
@@ -183,7 +172,7 @@ def _response_logprobs(model, ids, mask, response_length, temperature, batch_siz
     """``(B, T)`` fp32 log-probs of the last ``response_length`` tokens under ``model`` (zero on padding)."""
     device = _device_of(model)
     parts = []
-    with _eval_mode(model):
+    with eval_mode(model):
         for s in range(0, ids.shape[0], batch_size):
             out = forward_response(
                 model, ids[s : s + batch_size].to(device), mask[s : s + batch_size].to(device), response_length,
@@ -265,7 +254,7 @@ def eval_heldout(
         reward: what scores ``prompt + response``: a reward model sharing the tokenizer (scored on token ids at the
             last real token), a :class:`~trl_ext.models.RewardFunction` such as `trl_ext.rewards.LexicalReward`, a
             ``(model, its_tokenizer)`` pair, a callable ``(prompts, completions) -> scores``, ... (anything
-            :class:`~trl_ext.trainers.rollout.RolloutReward` accepts). Low = bad.
+            :class:`~trl_ext.rollout.generator.RolloutReward` accepts). Low = bad.
         ref_model: the reference policy of the KL (e.g. the initial model); ``None``: no KL, ``return = reward``.
         num_samples_per_prompt: ``N``.
         max_new_tokens: the longest response.

@@ -1,7 +1,7 @@
 r"""Negative-data evaluation: how much probability does a policy still put on known-bad responses?
 
 Input: the bad samples a harmlessness run collected (the JSONL of
-:class:`~trl_ext.trainers.negdata.NegativeDataWriter`, rows ``{"prompt", "response", "reward", "step", "source"}``),
+:class:`~trl_ext.rollout.negdata.NegativeDataWriter`, rows ``{"prompt", "response", "reward", "step", "source"}``),
 or any list / JSONL of ``{"prompt", "response"}``.
 For each (prompt, response) pair :func:`eval_negative_data` computes
 
@@ -36,8 +36,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..ops.logprobs import logprobs_from_logits
-from ..trainers.negdata import read_negative_data
-from ..trainers.rollout import causal_lm_outputs
+from ..rollout.generator import causal_lm_outputs
+from ..rollout.negdata import read_negative_data
 from .metrics import group_logprob_summary
 from .report import write_json_report
 

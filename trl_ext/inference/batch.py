@@ -10,7 +10,7 @@ Modes (:class:`BatchInferenceArguments`):
 
 Prompts are plain strings or chat conversations (lists of ``{"role", "content"}`` messages); conversations, and plain
 prompts with ``use_chat_template``, get the tokenizer's chat template with the generation prompt, tokenised as the
-trainers tokenise prompts (:func:`trl_ext.trainers.data.prepare_prompt_dataset`).
+trainers tokenise prompts (:func:`trl_ext.rollout.data.prepare_prompt_dataset`).
 
 Output: one JSON object per line and per prompt, written and flushed after every chunk of ``batch_size`` prompts::
 
@@ -261,7 +261,7 @@ def _prompt_token_ids(prompts: list, tokenizer, use_chat_template: bool, progres
     from datasets import Dataset
     from datasets.utils import logging as datasets_logging
 
-    from ..trainers.data import prepare_prompt_dataset
+    from ..rollout.data import prepare_prompt_dataset
 
     if use_chat_template:
         prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]

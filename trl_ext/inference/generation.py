@@ -1,8 +1,8 @@
 """Text generation shared by the inference tools (batch inference and chat): stop tokens, HF ``generate`` on token
 ids, and the guarded vLLM path.
 
-Sampling itself is the trainers' own (:func:`trl_ext.trainers.rollout.generate_responses` with
-:class:`~trl_ext.trainers.rollout.SamplingSettings`), so a response sampled here is drawn exactly as a rollout would
+Sampling itself is the trainers' own (:func:`trl_ext.rollout.generator.generate_responses` with
+:class:`~trl_ext.rollout.generator.SamplingSettings`), so a response sampled here is drawn exactly as a rollout would
 draw it: same temperature / top-k / top-p handling, no setting leaking in from the model's saved generation config,
 responses cut after their first stop token.
 """
@@ -71,8 +71,8 @@ def sampling_settings(
     top_k: int | None = None,
     top_p: float = 1.0,
 ):
-    """The trainers' :class:`~trl_ext.trainers.rollout.SamplingSettings`; ``temperature == 0`` means greedy."""
-    from ..trainers.rollout import SamplingSettings
+    """The trainers' :class:`~trl_ext.rollout.generator.SamplingSettings`; ``temperature == 0`` means greedy."""
+    from ..rollout.generator import SamplingSettings
 
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}.")
@@ -95,8 +95,8 @@ def generate_texts(
 ) -> list[str]:
     """Sample one response per prompt (token-id lists) with HF ``generate``; return the decoded responses (special
     tokens, such as the stop token, removed)."""
-    from ..trainers.data import PromptCollator
-    from ..trainers.rollout import generate_responses
+    from ..rollout.data import PromptCollator
+    from ..rollout.generator import generate_responses
 
     if tokenizer.pad_token_id is None:
         raise ValueError("The tokenizer has no pad token; set `tokenizer.pad_token = tokenizer.eos_token`.")

@@ -91,3 +91,41 @@ def check_same_shape(**tensors: torch.Tensor | None) -> None:
             raise ValueError(
                 f"`{name}` has shape {tuple(t.shape)} but `{ref_name}` has shape {tuple(ref.shape)}; they must match."
             )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Layout and shape helpers shared by the loss modules (weights, reinforce, twist); not part of the public API.
+# ----------------------------------------------------------------------------------------------------------------
+def is_flat_batch(mask: torch.Tensor, name: str = "mask") -> bool:
+    """True for a flat ``(B, T)`` batch, False for a grouped ``(P, N, T)`` one; anything else is an error."""
+    if mask.dim() == 3:
+        return False
+    if mask.dim() == 2:
+        return True
+    raise ValueError(f"`{name}` must be (P, N, T) or (B, T); got shape {tuple(mask.shape)}.")
+
+
+def as_grouped(x: torch.Tensor, name: str, grouped_dim: int, flat: bool) -> torch.Tensor:
+    """Return ``x`` in the grouped layout, adding a leading P = 1 axis to a flat tensor."""
+    want = grouped_dim - 1 if flat else grouped_dim
+    if x.dim() != want:
+        layout = "flat (B, ...)" if flat else "grouped (P, N, ...)"
+        raise ValueError(f"`{name}` must have {want} dims for a {layout} batch; got shape {tuple(x.shape)}.")
+    return x.unsqueeze(0) if flat else x
+
+
+def check_sequence_shape(x: torch.Tensor, name: str, mask: torch.Tensor) -> None:
+    if x.shape != mask.shape[:-1]:
+        raise ValueError(f"`{name}` has shape {tuple(x.shape)}; expected {tuple(mask.shape[:-1])} (mask minus T).")
+
+
+def check_token_shape(x: torch.Tensor, name: str, mask: torch.Tensor) -> None:
+    if x.shape != mask.shape:
+        raise ValueError(f"`{name}` has shape {tuple(x.shape)}; expected the mask's shape {tuple(mask.shape)}.")
+
+
+def zero_masked(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``x`` with masked-out entries replaced by 0 (out of place; gradients flow through the kept entries)."""
+    if valid.dim() < x.dim():
+        valid = valid.reshape(*valid.shape, *([1] * (x.dim() - valid.dim())))
+    return torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))

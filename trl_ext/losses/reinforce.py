@@ -15,9 +15,17 @@ from __future__ import annotations
 import torch
 
 from ..ops.stats import masked_mean
-from .base import LossOutput, aggregate
+from .base import (
+    LossOutput,
+    aggregate,
+    as_grouped,
+    check_sequence_shape,
+    check_token_shape,
+    is_flat_batch,
+    zero_masked,
+)
 from .registry import register_loss
-from .weights import _check_seq, _check_tok, _group, _is_flat, _zero_masked, effective_sample_size
+from .weights import effective_sample_size
 
 __all__ = ["BASELINES", "compute_baseline", "neg_reinforce_loss", "neg_training_loss", "reinforce_loss"]
 
@@ -92,18 +100,18 @@ def _reinforce_terms(
 
     Returns ``(per_token, grouped mask, advantage, baseline)``.
     """
-    flat = _is_flat(mask)
-    _check_tok(logprobs, "logprobs", mask)
-    _check_seq(rewards, "rewards", mask)
-    lp = _group(logprobs, "logprobs", 3, flat)
-    m = _group(mask, "mask", 3, flat)
-    r = _group(rewards, "rewards", 2, flat).detach()
+    flat = is_flat_batch(mask)
+    check_token_shape(logprobs, "logprobs", mask)
+    check_sequence_shape(rewards, "rewards", mask)
+    lp = as_grouped(logprobs, "logprobs", 3, flat)
+    m = as_grouped(mask, "mask", 3, flat)
+    r = as_grouped(rewards, "rewards", 2, flat).detach()
     if other_rewards is not None and flat and other_rewards.dim() == 1:
         other_rewards = other_rewards.unsqueeze(0)
     b = compute_baseline(r, baseline, baseline_value=baseline_value, other_rewards=other_rewards)
     adv = r.to(b.dtype) - b
     coef = adv if seq_weights is None else adv * seq_weights
-    lp = _zero_masked(lp, m != 0)
+    lp = zero_masked(lp, m != 0)
     per_token = -lp * coef.unsqueeze(-1).to(torch.promote_types(lp.dtype, coef.dtype))
     return per_token, m, adv, b
 
@@ -158,7 +166,7 @@ def _neg_scale(alpha: float, convention: str, n: int) -> float:
 
 
 def _neg_weights(neg_weights: torch.Tensor, neg_mask: torch.Tensor) -> torch.Tensor:
-    _check_seq(neg_weights, "neg_weights", neg_mask)
+    check_sequence_shape(neg_weights, "neg_weights", neg_mask)
     w = neg_weights.detach()
     return w.to(torch.promote_types(w.dtype, torch.float32))
 
@@ -225,11 +233,11 @@ def neg_training_loss(
     (``mean_P Σ_i w̃_i·masked_mean_t log p_θ(s̃_i)``), ``neg_logprob_mean``, ``neg_weight_ess``, ``neg_weight_max``,
     ``neg_active_frac`` (prompts with non-zero weights), plus the REINFORCE metrics.
     """
-    flat = _is_flat(neg_mask, "neg_mask")
-    _check_tok(neg_logprobs, "neg_logprobs", neg_mask)
+    flat = is_flat_batch(neg_mask, "neg_mask")
+    check_token_shape(neg_logprobs, "neg_logprobs", neg_mask)
     w = _neg_weights(neg_weights, neg_mask)
-    nm = _group(neg_mask, "neg_mask", 3, flat)
-    w = _group(w, "neg_weights", 2, flat)
+    nm = as_grouped(neg_mask, "neg_mask", 3, flat)
+    w = as_grouped(w, "neg_weights", 2, flat)
     c = _neg_scale(alpha, alpha_convention, nm.shape[-2])
     rl = reinforce_loss(
         logprobs,
@@ -241,7 +249,7 @@ def neg_training_loss(
         aggregation=aggregation,
         normalizer=normalizer,
     )
-    nlp = _zero_masked(_group(neg_logprobs, "neg_logprobs", 3, flat), nm != 0)
+    nlp = zero_masked(as_grouped(neg_logprobs, "neg_logprobs", 3, flat), nm != 0)
     per_token = nlp * (c * w).unsqueeze(-1).to(torch.promote_types(nlp.dtype, w.dtype))
     neg = aggregate(per_token, nm, aggregation, _neg_normalizer(aggregation, normalizer, neg_normalizer))
     with torch.no_grad():
@@ -310,9 +318,9 @@ def neg_reinforce_loss(
     Metrics: ``reinforce_loss``, ``neg_loss``, ``neg_advantage_mean``, ``neg_baseline_mean``, ``neg_weight_ess``,
     plus the REINFORCE metrics.
     """
-    flat = _is_flat(neg_mask, "neg_mask")
-    _check_tok(neg_logprobs, "neg_logprobs", neg_mask)
-    w = _group(_neg_weights(neg_weights, neg_mask), "neg_weights", 2, flat)
+    flat = is_flat_batch(neg_mask, "neg_mask")
+    check_token_shape(neg_logprobs, "neg_logprobs", neg_mask)
+    w = as_grouped(_neg_weights(neg_weights, neg_mask), "neg_weights", 2, flat)
     c = _neg_scale(alpha, alpha_convention, neg_mask.shape[-2])
     rl = reinforce_loss(
         logprobs,

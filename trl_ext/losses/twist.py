@@ -21,35 +21,34 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.stats import masked_mean
-from .base import LossOutput, aggregate
+from .base import (
+    LossOutput,
+    aggregate,
+    as_grouped,
+    check_sequence_shape,
+    check_token_shape,
+    is_flat_batch,
+    zero_masked,
+)
 from .ppo import clipped_value_loss
 from .registry import register_loss
-from .weights import (
-    _check_seq,
-    _check_tok,
-    _group,
-    _is_flat,
-    _zero_masked,
-    effective_sample_size,
-    per_step_weights,
-    sigma_weights,
-)
+from .weights import effective_sample_size, per_step_weights, sigma_weights
 
 __all__ = ["ctl_loss", "ctl_no_second_term_loss", "dpg_loss", "mixed_ctl_value_loss", "sixo_approx_loss", "sixo_loss"]
 
 
 def _twist_inputs(v, log_phi, mask, old_logprobs, ref_logprobs):
     """Check shapes and return the grouped ``(v, log_phi, mask, old, ref)``."""
-    flat = _is_flat(mask)
+    flat = is_flat_batch(mask)
     for name, x in (("v", v), ("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
-        _check_tok(x, name, mask)
-    _check_seq(log_phi, "log_phi", mask)
+        check_token_shape(x, name, mask)
+    check_sequence_shape(log_phi, "log_phi", mask)
     return (
-        _group(v, "v", 3, flat),
-        _group(log_phi, "log_phi", 2, flat),
-        _group(mask, "mask", 3, flat),
-        _group(old_logprobs, "old_logprobs", 3, flat),
-        _group(ref_logprobs, "ref_logprobs", 3, flat),
+        as_grouped(v, "v", 3, flat),
+        as_grouped(log_phi, "log_phi", 2, flat),
+        as_grouped(mask, "mask", 3, flat),
+        as_grouped(old_logprobs, "old_logprobs", 3, flat),
+        as_grouped(ref_logprobs, "ref_logprobs", 3, flat),
     )
 
 
@@ -96,7 +95,7 @@ def ctl_loss(
     coef = w.unsqueeze(-1).expand(m.shape)
     if second_term:
         coef = coef - per_step_weights(ref, old, v3, m)
-    vz = _zero_masked(v3, valid)
+    vz = zero_masked(v3, valid)
     loss = aggregate(-_coef_times(coef, vz), m, aggregation, normalizer)
     metrics = {**_weight_metrics(w), "v_mean": masked_mean(vz.detach(), m)}
     return LossOutput(loss, metrics)
@@ -168,7 +167,7 @@ def sixo_loss(
     v3, phi, m, old, ref = _twist_inputs(v, log_phi, mask, old_logprobs, ref_logprobs)
     valid = m != 0
     w = sigma_weights(ref, old, phi, m)
-    vz = _zero_masked(v3, valid)
+    vz = zero_masked(v3, valid)
     pos = aggregate(_coef_times(w.unsqueeze(-1), F.logsigmoid(vz)), m, aggregation, normalizer)
     if variant == "approx":
         u = sigma_weights(ref, old, torch.zeros_like(phi, dtype=w.dtype), m)
@@ -179,10 +178,10 @@ def sixo_loss(
                 "SIXO's exact variant ('sixo') needs `base_v` and `base_mask` from fresh samples of the base model "
                 "p_0 for the same prompts; pass them, or use the 'sixo_approx' loss (variant='approx')."
             )
-        flat_b = _is_flat(base_mask, "base_mask")
-        _check_tok(base_v, "base_v", base_mask)
-        bm = _group(base_mask, "base_mask", 3, flat_b)
-        bv = _zero_masked(_group(base_v, "base_v", 3, flat_b), bm != 0)
+        flat_b = is_flat_batch(base_mask, "base_mask")
+        check_token_shape(base_v, "base_v", base_mask)
+        bm = as_grouped(base_mask, "base_mask", 3, flat_b)
+        bv = zero_masked(as_grouped(base_v, "base_v", 3, flat_b), bm != 0)
         n = v3.shape[-2]
         neg_norm = _other_normalizer(aggregation, normalizer, base_normalizer, "base_normalizer")
         neg = aggregate(F.logsigmoid(-bv) / n, bm, aggregation, neg_norm)
@@ -240,21 +239,21 @@ def dpg_loss(
     ``log_psi_all`` through the expectation term. Metrics: ``ess``, ``max_weight``, ``expected_v_mean``.
     """
     v3, phi, m, old, ref = _twist_inputs(v, log_phi, mask, old_logprobs, ref_logprobs)
-    flat = _is_flat(mask)
+    flat = is_flat_batch(mask)
     if log_psi_all.shape[:-1] != mask.shape or ref_logprobs_all.shape != log_psi_all.shape:
         raise ValueError(
             f"`log_psi_all` {tuple(log_psi_all.shape)} and `ref_logprobs_all` {tuple(ref_logprobs_all.shape)} must "
             f"both be the mask's shape {tuple(mask.shape)} plus a vocabulary axis."
         )
     valid = m != 0
-    psi = _zero_masked(_group(log_psi_all, "log_psi_all", 4, flat), valid)
+    psi = zero_masked(as_grouped(log_psi_all, "log_psi_all", 4, flat), valid)
     w = sigma_weights(ref, old, phi, m)
     with torch.no_grad():
-        ref_all = _zero_masked(_group(ref_logprobs_all, "ref_logprobs_all", 4, flat).detach(), valid)
+        ref_all = zero_masked(as_grouped(ref_logprobs_all, "ref_logprobs_all", 4, flat).detach(), valid)
         dtype = torch.promote_types(torch.promote_types(psi.dtype, ref_all.dtype), torch.float32)
         probs = torch.softmax(ref_all.to(dtype) + psi.detach().to(dtype), dim=-1)
     expected_v = (probs * psi.to(dtype)).sum(dim=-1)
-    vz = _zero_masked(v3, valid)
+    vz = zero_masked(v3, valid)
     loss = aggregate(-_coef_times(w.unsqueeze(-1), vz.to(dtype) - expected_v), m, aggregation, normalizer)
     metrics = {**_weight_metrics(w), "expected_v_mean": masked_mean(expected_v.detach(), m)}
     return LossOutput(loss, metrics)

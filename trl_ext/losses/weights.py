@@ -20,6 +20,7 @@ import math
 import torch
 
 from ..ops.stats import masked_sum
+from .base import check_sequence_shape, check_token_shape, is_flat_batch, zero_masked
 
 __all__ = [
     "ORIGINAL_INDICATOR_THRESHOLD",
@@ -32,44 +33,6 @@ __all__ = [
 
 #: The indicator threshold of the original code, which kept a sample when ``exp(log φ) > 2e-16``.
 ORIGINAL_INDICATOR_THRESHOLD: float = math.log(2e-16)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Layout helpers shared by the loss modules of this package (private API).
-# ----------------------------------------------------------------------------------------------------------------
-def _is_flat(mask: torch.Tensor, name: str = "mask") -> bool:
-    """True for a flat ``(B, T)`` batch, False for a grouped ``(P, N, T)`` one; anything else is an error."""
-    if mask.dim() == 3:
-        return False
-    if mask.dim() == 2:
-        return True
-    raise ValueError(f"`{name}` must be (P, N, T) or (B, T); got shape {tuple(mask.shape)}.")
-
-
-def _group(x: torch.Tensor, name: str, grouped_dim: int, flat: bool) -> torch.Tensor:
-    """Return ``x`` in the grouped layout, adding a leading P = 1 axis to a flat tensor."""
-    want = grouped_dim - 1 if flat else grouped_dim
-    if x.dim() != want:
-        layout = "flat (B, ...)" if flat else "grouped (P, N, ...)"
-        raise ValueError(f"`{name}` must have {want} dims for a {layout} batch; got shape {tuple(x.shape)}.")
-    return x.unsqueeze(0) if flat else x
-
-
-def _check_seq(x: torch.Tensor, name: str, mask: torch.Tensor) -> None:
-    if x.shape != mask.shape[:-1]:
-        raise ValueError(f"`{name}` has shape {tuple(x.shape)}; expected {tuple(mask.shape[:-1])} (mask minus T).")
-
-
-def _check_tok(x: torch.Tensor, name: str, mask: torch.Tensor) -> None:
-    if x.shape != mask.shape:
-        raise ValueError(f"`{name}` has shape {tuple(x.shape)}; expected the mask's shape {tuple(mask.shape)}.")
-
-
-def _zero_masked(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``x`` with masked-out entries replaced by 0 (out of place; gradients flow through the kept entries)."""
-    if valid.dim() < x.dim():
-        valid = valid.reshape(*valid.shape, *([1] * (x.dim() - valid.dim())))
-    return torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def _weight_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -110,10 +73,10 @@ def sequence_log_weights(
     Returns:
         ``(P, N)`` log-weights (``(B,)`` for a flat batch), detached, fp32.
     """
-    flat = _is_flat(mask)
-    _check_tok(ref_logprobs, "ref_logprobs", mask)
-    _check_tok(old_logprobs, "old_logprobs", mask)
-    _check_seq(log_phi, "log_phi", mask)
+    flat = is_flat_batch(mask)
+    check_token_shape(ref_logprobs, "ref_logprobs", mask)
+    check_token_shape(old_logprobs, "old_logprobs", mask)
+    check_sequence_shape(log_phi, "log_phi", mask)
     dtype = _weight_dtype(ref_logprobs, old_logprobs, log_phi)
     ref, old, phi = (x.detach().to(dtype) for x in (ref_logprobs, old_logprobs, log_phi))
     out = masked_sum(ref, mask, dim=-1) + phi - masked_sum(old, mask, dim=-1)
@@ -147,7 +110,7 @@ def sigma_weights(
         detached, fp32. A prompt whose log-weights are all ``-inf`` gets all-zero weights rather than ``nan``.
     """
     log_w = sequence_log_weights(ref_logprobs, old_logprobs, log_phi, mask)
-    grouped = log_w.unsqueeze(0) if _is_flat(mask) else log_w
+    grouped = log_w.unsqueeze(0) if is_flat_batch(mask) else log_w
     if uniform:
         w = torch.full_like(grouped, 1.0 / grouped.shape[-1])
     else:
@@ -179,12 +142,12 @@ def per_step_log_weights(
     Returns:
         ``(P, N, T)`` log-weights, ``-inf`` at masked positions; detached, fp32.
     """
-    _is_flat(mask)
+    is_flat_batch(mask)
     for name, x in (("ref_logprobs", ref_logprobs), ("old_logprobs", old_logprobs), ("v", v)):
-        _check_tok(x, name, mask)
+        check_token_shape(x, name, mask)
     dtype = _weight_dtype(ref_logprobs, old_logprobs, v)
     valid = mask != 0
-    ref, old, vv = (_zero_masked(x.detach().to(dtype), valid) for x in (ref_logprobs, old_logprobs, v))
+    ref, old, vv = (zero_masked(x.detach().to(dtype), valid) for x in (ref_logprobs, old_logprobs, v))
     log_w = torch.cumsum(ref - old, dim=-1) + vv
     return torch.where(valid, log_w, torch.full((), -math.inf, dtype=dtype, device=log_w.device))
 

@@ -21,6 +21,7 @@ import os
 import torch
 from torch import nn
 
+from ..utils import unwrap_model
 from .quantization import resolve_dtype
 from .reward import (
     _HUB_KWARGS,
@@ -28,7 +29,6 @@ from .reward import (
     _load_sequence_classifier,
     _load_value_head_model,
     _tensor_shapes,
-    _unwrap,
     _weight_files,
     get_token_scores,
 )
@@ -60,7 +60,7 @@ def init_value_head(head: nn.Module, std: float | None = None) -> float:
 
 
 def _log_new_head(model: nn.Module, std: float, source: str) -> None:
-    hidden = _unwrap(model).score.weight.shape[-1]
+    hidden = unwrap_model(model).score.weight.shape[-1]
     logger.info(
         "Critic from %s: the value head `score` (Linear(%d, 1)) is NEW, not loaded from the checkpoint; initialised "
         "N(0, %.4g^2). Values are meaningless until it is trained.",
@@ -115,8 +115,8 @@ def load_critic(
     if isinstance(name_or_path_or_model, nn.Module):
         model = name_or_path_or_model
         if _decoder_parts(model) is None:
-            model = _critic_from_causal_lm(_unwrap(model), value_head_init_std)
-        elif _unwrap(model).score.weight.shape[0] != 1:
+            model = _critic_from_causal_lm(unwrap_model(model), value_head_init_std)
+        elif unwrap_model(model).score.weight.shape[0] != 1:
             raise ValueError("A critic needs a single-output score head; this model has several labels.")
         if device is not None:
             model.to(device)

@@ -33,6 +33,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from torch import nn
 
+from ..utils import unwrap_model
 from .quantization import keep_4bit_layers_trainable
 
 __all__ = [
@@ -451,24 +452,13 @@ def apply_lora(
 
 
 # --------------------------------------------------------------------------------------------- reference policy
-def _unwrap(model: nn.Module) -> nn.Module:
-    """Strip `DistributedDataParallel` (`.module`) and `torch.compile` (`._orig_mod`) wrappers."""
-    while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
-        else:
-            return model
-
-
 def is_peft_model(model: nn.Module) -> bool:
     """True when `model` (possibly wrapped by DDP / `torch.compile`) is a `peft.PeftModel`."""
     try:
         from peft import PeftModel
     except ImportError:  # pragma: no cover - peft is a hard dependency
         return False
-    return isinstance(_unwrap(model), PeftModel)
+    return isinstance(unwrap_model(model, peft=False), PeftModel)
 
 
 def reference_is_base_with_adapters_disabled(model: nn.Module, ref_model: nn.Module | None = None) -> bool:
@@ -483,7 +473,7 @@ def reference_is_base_with_adapters_disabled(model: nn.Module, ref_model: nn.Mod
     if ref_model is not None:
         logger.info(
             "Reference policy: the explicitly passed %s%s.",
-            type(_unwrap(ref_model)).__name__,
+            type(unwrap_model(ref_model, peft=False)).__name__,
             " (not the LoRA base with adapters disabled)" if peft else "",
         )
         return False
@@ -505,7 +495,7 @@ def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
     `modules_to_save` heads their original copies). Yields the unwrapped PEFT model. Gradients are not disabled:
     wrap it in `torch.no_grad()` for a reference forward pass.
     """
-    inner = _unwrap(model)
+    inner = unwrap_model(model, peft=False)
     if not is_peft_model(inner):
         raise TypeError(
             f"adapters_disabled needs a peft.PeftModel, got {type(inner).__name__}: a model without adapters has no "

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..ops.sequences import last_token_index, position_ids_from_attention_mask
+from ..utils import unwrap_model
 from .quantization import bnb_4bit_config, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -53,21 +54,10 @@ _HEAD_HINTS = ("head", "score", "classifier", "reward", "value", "embed_out", "o
 
 
 # ------------------------------------------------------------------------------------------------- model anatomy
-def _unwrap(model: nn.Module) -> nn.Module:
-    """Strip DDP-style (``.module``) and PEFT wrappers; PEFT's LoRA layers stay inside the returned model."""
-    while True:
-        if hasattr(model, "get_base_model") and callable(model.get_base_model):
-            model = model.get_base_model()
-        elif isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        else:
-            return model
-
-
 def score_head(model: nn.Module) -> nn.Module:
     """The module that maps hidden states to scores: ``score`` (decoder classifiers, value-head models) or
     ``classifier`` (BERT-style encoders)."""
-    inner = _unwrap(model)
+    inner = unwrap_model(model)
     for name in ("score", "classifier"):
         head = getattr(inner, name, None)
         if isinstance(head, nn.Module):
@@ -80,7 +70,7 @@ def score_head(model: nn.Module) -> nn.Module:
 
 def _decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     """``(backbone, head)`` when the score is a per-token head on the backbone's hidden states, else ``None``."""
-    inner = _unwrap(model)
+    inner = unwrap_model(model)
     head = getattr(inner, "score", None)
     backbone = getattr(inner, getattr(inner, "base_model_prefix", "") or "", None)
     if isinstance(head, nn.Module) and isinstance(backbone, nn.Module) and backbone is not inner:
@@ -93,7 +83,7 @@ def _backbone_hidden(
 ) -> torch.Tensor:
     """Last hidden states ``(B, T, H)``; position ids come from the mask, so left padding does not shift positions.
     ``extra`` inputs (e.g. ``token_type_ids``) are passed when the backbone's ``forward`` takes them."""
-    params = inspect.signature(_unwrap(backbone).forward).parameters  # PEFT wraps forward(*args, **kwargs)
+    params = inspect.signature(unwrap_model(backbone).forward).parameters  # PEFT wraps forward(*args, **kwargs)
     kwargs: dict[str, Any] = {k: v for k, v in extra.items() if k in params and v is not None}
     kwargs["attention_mask"] = attention_mask
     if "position_ids" in params:
@@ -111,7 +101,7 @@ def get_reward_normalization(model_or_config) -> tuple[float, float] | None:
     Normalisation is on when ``config.normalize_reward`` is true. The statistics are ``reward_mean``/``reward_std``,
     falling back to OpenRLHF's ``mean``/``std`` (and to 0/1 when neither is present).
     """
-    config = getattr(_unwrap(model_or_config), "config", model_or_config)
+    config = getattr(unwrap_model(model_or_config), "config", model_or_config)
     if not getattr(config, "normalize_reward", False):
         return None
     mean = getattr(config, "reward_mean", None)
@@ -145,7 +135,7 @@ def apply_reward_normalization(model: nn.Module) -> bool:
     Called by :func:`load_reward_model`, :func:`get_sequence_scores` and ``ModelReward``, so a model whose config
     carries statistics is normalised even when it was loaded with plain ``from_pretrained``.
     """
-    inner = _unwrap(model)
+    inner = unwrap_model(model)
     head = score_head(inner)
     hook = _normalizer_hook(head)
     if hook is None:
@@ -168,7 +158,7 @@ def set_reward_normalization(model: nn.Module, mean: float, std: float) -> None:
     if not (math.isfinite(mean) and math.isfinite(std) and std > 0):
         raise ValueError(f"Reward normalisation needs a finite mean and a std > 0; got mean={mean}, std={std}.")
     apply_reward_normalization(model)  # attach the hook (idempotent); it reads the statistics below at call time
-    config = _unwrap(model).config
+    config = unwrap_model(model).config
     config.normalize_reward = True
     config.reward_mean = mean
     config.reward_std = std
@@ -177,7 +167,7 @@ def set_reward_normalization(model: nn.Module, mean: float, std: float) -> None:
 
 def clear_reward_normalization(model: nn.Module) -> None:
     """Turn normalisation off (``config.normalize_reward = False``): scores are raw again."""
-    _unwrap(model).config.normalize_reward = False
+    unwrap_model(model).config.normalize_reward = False
 
 
 # ------------------------------------------------------------------------------------------------ score reading
@@ -190,7 +180,7 @@ def get_token_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
     parts = _decoder_parts(model)
     if parts is None:
         raise TypeError(
-            f"{type(_unwrap(model)).__name__} has no per-token score head (`score` on top of its backbone); "
+            f"{type(unwrap_model(model)).__name__} has no per-token score head (`score` on top of its backbone); "
             "per-token scores need a decoder model such as `*ForSequenceClassification` or `ValueHeadRewardModel`."
         )
     apply_reward_normalization(model)
@@ -547,7 +537,7 @@ def load_reward_model(
     if device is not None and not load_in_4bit:
         model.to(device)
 
-    config = _unwrap(model).config
+    config = unwrap_model(model).config
     if getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = tokenizer.pad_token_id
     if normalize is False:

@@ -1,21 +1,12 @@
-"""Trainers: PPO on `transformers.Trainer` (TRL 1.12's API) and the rollout every online trainer shares; the RePULSe
-and twist-learning trainers; DPO/KTO with extra losses (subclasses of TRL's); knowledge distillation; process reward
-models."""
+"""Trainers, one sub-package per algorithm: `ppo` (TRL 1.12's API), `proposal` (twist learning), `harmlessness`
+(RePULSe), `preference` (DPO/KTO with extra losses, subclasses of TRL's), plus `kd.py` (knowledge distillation) and
+`prm.py` (process reward models); `common` holds what the online trainers share. The rollout they share lives below
+them, in `trl_ext.rollout` (re-exported here). The flat paths of earlier releases (`trl_ext.trainers.ppo_config`, ...)
+still import, with a DeprecationWarning (`_aliases.py`).
+"""
 
-from .data import PromptCollator, RolloutSampler, prepare_prompt_dataset
-from .dpo import DPOConfig, DPOTrainer
-from .harmlessness_config import HarmlessnessConfig
-from .harmlessness_trainer import HarmlessnessTrainer
-from .kd import KDConfig, KDTrainer
-from .kto import KTOConfig, KTOTrainer
-from .policy_value import PolicyAndValueModel
-from .ppo_config import PPOConfig
-from .ppo_trainer import PPORewards, PPOTrainer
-from .preference_data import pairs_from_negative_data, unpaired_from_negative_data
-from .prm import PRMConfig, PRMDataCollator, PRMTrainer, prepare_prm_dataset, tokenize_prm_example
-from .proposal_config import ProposalConfig
-from .proposal_trainer import ProposalRewards, ProposalTrainer
-from .rollout import (
+from ..rollout.data import PromptCollator, RolloutSampler, prepare_prompt_dataset
+from ..rollout.generator import (
     PolicyOutput,
     ReferencePolicy,
     Rollout,
@@ -25,6 +16,21 @@ from .rollout import (
     forward_response,
     generate_responses,
 )
+from . import _aliases
+from .harmlessness.harmlessness_config import HarmlessnessConfig
+from .harmlessness.harmlessness_trainer import HarmlessnessTrainer
+from .kd import KDConfig, KDTrainer
+from .ppo.policy_value import PolicyAndValueModel
+from .ppo.ppo_config import PPOConfig
+from .ppo.ppo_trainer import PPORewards, PPOTrainer
+from .preference.data import pairs_from_negative_data, unpaired_from_negative_data
+from .preference.dpo import DPOConfig, DPOTrainer
+from .preference.kto import KTOConfig, KTOTrainer
+from .prm import PRMConfig, PRMDataCollator, PRMTrainer, prepare_prm_dataset, tokenize_prm_example
+from .proposal.proposal_config import ProposalConfig
+from .proposal.proposal_trainer import ProposalRewards, ProposalTrainer
+
+_aliases.install()
 
 __all__ = [
     "DPOConfig",

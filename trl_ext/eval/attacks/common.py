@@ -23,11 +23,10 @@ original silently used ``top_k=50`` — B13) recorded in the report.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +34,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ...models.reward_functions import decode_token_ids
-from ...trainers.rollout import RolloutReward, SamplingSettings, forward_response, generate_responses
+from ...rollout.generator import RolloutReward, SamplingSettings, forward_response, generate_responses
+from ...utils import eval_mode
 from ..report import write_json_report
 from .data import load_advbench_goals, load_behaviors_csv, normalize_behaviors
 from .rules import (
@@ -158,17 +158,6 @@ def target_token_ids(tokenizer, target: str) -> torch.Tensor:
 def model_device(model: nn.Module) -> torch.device:
     param = next(model.parameters(), None)
     return param.device if param is not None else torch.device("cpu")
-
-
-@contextlib.contextmanager
-def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
-    """Eval mode (no dropout) for the duration, then the previous mode."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(was_training)
 
 
 @torch.no_grad()

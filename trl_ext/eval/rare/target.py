@@ -17,15 +17,15 @@ of ``s`` when token ``x_k`` is replaced by ``v`` is ``(W_E[v] − e_k)·∂s/∂
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ...ops import logprobs_from_logits
+from ...utils import eval_mode
 
 __all__ = [
     "SCORES",
@@ -50,17 +50,6 @@ def target_token_ids(tokenizer, target_word: str, leading_space: bool = False) -
     if not ids:
         raise ValueError(f"The tokenizer encodes {text!r} as no token; choose another target word.")
     return ids
-
-
-@contextlib.contextmanager
-def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
-    """Put ``model`` in eval mode (no dropout) for the block and restore its train/eval mode afterwards."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(was_training)
 
 
 def _embeddings(model: nn.Module) -> nn.Module:

@@ -1,0 +1,38 @@
+"""The rollout layer: prompt data, sampling, reference log-probs, scoring and vision inputs, shared by the online
+trainers (`trl_ext.trainers`), held-out evaluation and attacks (`trl_ext.eval`) and batch inference
+(`trl_ext.inference`). It sits below all three and imports none of them.
+
+- `generator`: `RolloutGenerator` (generate → log-probs → reference → reward), `generate_responses`,
+  `forward_response`, `RolloutReward`, `SamplingSettings`;
+- `sampling`: the inverse-CDF sampler that records the log-probs it sampled from;
+- `reference`: `ReferencePolicy` (a separate model, or the policy with its adapters disabled);
+- `data`: prompt datasets, the left-padding collator and the rollout sampler;
+- `negdata`: reading and writing negative-data JSONL;
+- `vision`: image inputs of vision-language policies.
+"""
+
+from .data import PromptCollator, RolloutSampler, prepare_prompt_dataset
+from .generator import (
+    PolicyOutput,
+    Rollout,
+    RolloutGenerator,
+    RolloutReward,
+    SamplingSettings,
+    forward_response,
+    generate_responses,
+)
+from .reference import ReferencePolicy
+
+__all__ = [
+    "PolicyOutput",
+    "PromptCollator",
+    "ReferencePolicy",
+    "Rollout",
+    "RolloutGenerator",
+    "RolloutReward",
+    "RolloutSampler",
+    "SamplingSettings",
+    "forward_response",
+    "generate_responses",
+    "prepare_prompt_dataset",
+]

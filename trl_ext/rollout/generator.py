@@ -1,0 +1,574 @@
+"""The rollout shared by every online trainer: sample responses, then score them with the policy, the reference, the
+critic and the reward.
+
+One rollout, for a batch of left-padded prompts:
+
+1. repeat each prompt ``N = num_samples_per_prompt`` times (rows stay grouped prompt by prompt);
+2. sample responses with the policy's own ``generate`` (plain, value-head, PEFT and modulated policies all have one)
+   under `trl.models.unwrap_model_for_generation`, with exactly the sampling settings given (the model's saved
+   generation config is swapped out meanwhile, so none of its defaults, e.g. ``top_k=50``, leak in); tokens are
+   drawn by :class:`~trl_ext.rollout.sampling.SampleAndRecord`, which also records their log-probs;
+3. cut each response after its first stop token (pad after it; the stop token itself is part of the response);
+4. score ``prompt + response`` in chunks of ``forward_batch_size`` rows, with no gradient and in eval mode:
+   the policy's log-probs at the *sampling temperature* (recorded during sampling in fp32; otherwise from
+   :func:`forward_response`, the function the trainers use for their loss — both agree with the training-time
+   log-probs to ~1e-6), the reference's log-probs (:class:`ReferencePolicy`), the values (when the model has a
+   critic) and the scores (:class:`RolloutReward`);
+5. subtract ``missing_eos_penalty`` from the scores of responses without a stop token.
+
+The result is a :class:`Rollout`. No maths here beyond calling :mod:`trl_ext.ops`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+from torch import nn
+from transformers import GenerationConfig, LogitsProcessorList
+
+from ..models.lora import is_peft_model
+from ..models.reward import get_sequence_scores
+from ..models.reward_functions import RewardFunction, as_reward_function
+from ..models.value_head import AutoModelForCausalLMWithValueHead
+from ..ops.logprobs import DEFAULT_CHUNK_SIZE, logprobs_from_logits
+from ..ops.sequences import position_ids_from_attention_mask, truncate_after_stop_token
+from ..utils import eval_mode
+from .reference import ReferencePolicy
+from .sampling import SampleAndRecord
+from .vision import VisionInputs, add_vision_inputs, generation_inputs, reward_images
+
+__all__ = [
+    "PolicyOutput",
+    "ReferencePolicy",
+    "Rollout",
+    "RolloutGenerator",
+    "RolloutReward",
+    "SamplingSettings",
+    "causal_lm_outputs",
+    "forward_response",
+    "generate_responses",
+    "rollout_logprobs",
+    "supports_logits_to_keep",
+]
+
+logger = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------------------ the result
+@dataclass
+class Rollout:
+    """Sampled responses and everything measured on them. Rows are grouped prompt by prompt (``N`` rows each).
+
+    Shapes: ``B`` rows, ``P`` prompt tokens (left-padded), ``T`` response tokens (right-padded).
+    """
+
+    prompt_ids: torch.Tensor
+    """``(B, P)`` left-padded prompt ids (each prompt repeated ``num_samples_per_prompt`` times)."""
+    prompt_mask: torch.Tensor
+    """``(B, P)`` 1 on real prompt tokens."""
+    response_ids: torch.Tensor
+    """``(B, T)`` response ids; the pad id after the first stop token."""
+    response_mask: torch.Tensor
+    """``(B, T)`` 1 up to and including the first stop token, 0 after it."""
+    logprobs: torch.Tensor
+    """``(B, T)`` fp32 log-probs of the response tokens under the sampling policy, at the sampling temperature."""
+    ref_logprobs: torch.Tensor
+    """``(B, T)`` fp32 log-probs under the reference policy (same temperature)."""
+    scores: torch.Tensor
+    """``(B,)`` fp32 reward scores, ``missing_eos_penalty`` already subtracted."""
+    contains_stop: torch.Tensor
+    """``(B,)`` bool: the response holds a stop (EOS) token."""
+    values: torch.Tensor | None = None
+    """``(B, T)`` fp32 critic values ``V_t`` of the state before response token ``t`` (``None`` without critic)."""
+    num_samples_per_prompt: int = 1
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds spent in ``generation`` and ``scoring``."""
+    vision: VisionInputs | None = None
+    """The rows' image inputs (vision-language policies, see :mod:`~trl_ext.rollout.vision`), else ``None``."""
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """``(B, P + T)`` prompt and response ids."""
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """``(B, P + T)`` attention mask of :attr:`input_ids`."""
+        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+    @property
+    def batch_size(self) -> int:
+        return self.response_ids.shape[0]
+
+    @property
+    def response_length(self) -> int:
+        return self.response_ids.shape[1]
+
+    def _tensor_fields(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if torch.is_tensor(value) or isinstance(value, VisionInputs):
+                yield f.name, value
+
+    def select(self, index: torch.Tensor | slice) -> Rollout:
+        """The rows ``index`` (a slice or an index tensor); grouping by prompt is only kept by aligned slices."""
+        return replace(self, **{name: value[index] for name, value in self._tensor_fields()})
+
+    def split(self, size: int) -> list[Rollout]:
+        """Consecutive chunks of ``size`` rows (the last may be shorter); a multiple of ``num_samples_per_prompt``
+        keeps every prompt's samples together."""
+        return [self.select(slice(start, start + size)) for start in range(0, self.batch_size, size)]
+
+    def to(self, device: torch.device | str) -> Rollout:
+        return replace(self, **{name: value.to(device) for name, value in self._tensor_fields()})
+
+    def state_dict(self) -> dict:
+        """Plain dict of CPU tensors and numbers (``torch.save``-able, loadable with ``weights_only=True``)."""
+        state = {k: v.state_dict() if k == "vision" else v.detach().cpu() for k, v in self._tensor_fields()}
+        state.update(num_samples_per_prompt=self.num_samples_per_prompt, timings=dict(self.timings))
+        return state
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> Rollout:
+        vision = state.get("vision")
+        return cls(**{**state, "vision": VisionInputs.from_state_dict(vision) if vision is not None else None})
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+@dataclass
+class SamplingSettings:
+    """How responses are sampled. Everything ``generate`` does is set here; nothing comes from the model's saved
+    generation config."""
+
+    max_new_tokens: int
+    pad_token_id: int
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] | None = None
+    """Responses end at the first of these ids (kept) and are padded after it; ``None``: no stop token."""
+    eos_token_id: int | None = None
+    """Id that counts as "ended properly" for ``contains_stop`` when no stop token is set."""
+    num_samples_per_prompt: int = 1
+    do_sample: bool = True
+
+    def generation_config(self) -> GenerationConfig:
+        """The config ``generate`` runs with. Sampling is done by :meth:`sampler` (a logits processor), so
+        ``generate`` itself runs greedily and has no temperature/top-k/top-p of its own."""
+        kwargs = {"do_sample": False, "max_new_tokens": self.max_new_tokens, "use_cache": True}
+        stop = list(self.stop_token_ids) if self.stop_token_ids else None
+        return GenerationConfig(
+            **kwargs, eos_token_id=stop, pad_token_id=self.pad_token_id, bos_token_id=None, repetition_penalty=1.0
+        )
+
+    def sampler(self) -> SampleAndRecord | None:
+        """A fresh :class:`~trl_ext.rollout.sampling.SampleAndRecord` for one ``generate`` call (``None``: greedy)."""
+        if not self.do_sample:
+            return None
+        return SampleAndRecord(self.temperature, self.top_k, self.top_p)
+
+
+def _generation_module(model: nn.Module) -> nn.Module:
+    """The module whose ``generation_config`` ``generate`` reads (inside PEFT and value-head wrappers)."""
+    while True:
+        if is_peft_model(model):
+            model = model.get_base_model()
+        elif isinstance(model, AutoModelForCausalLMWithValueHead):
+            model = model.pretrained_model
+        else:
+            return model
+
+
+@contextlib.contextmanager
+def _generation_config(model: nn.Module, config: GenerationConfig):
+    target = _generation_module(model)
+    saved = getattr(target, "generation_config", None)
+    target.generation_config = config
+    try:
+        yield
+    finally:
+        target.generation_config = saved
+
+
+@torch.no_grad()
+def generate_responses(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    settings: SamplingSettings,
+    batch_size: int,
+    *,
+    return_logprobs: bool = False,
+    vision: VisionInputs | None = None,
+):
+    """Sample one response per row of the left-padded prompts with ``model.generate``, ``batch_size`` rows at a time.
+
+    Returns ``(response_ids, response_mask, contains_stop)``: ``(B, T)`` ids with the pad id after the first stop
+    token, the ``(B, T)`` mask (1 up to and including that token) and the ``(B,)`` bool "has a stop token";
+    ``T ≤ max_new_tokens`` is the longest response. With ``return_logprobs`` a fourth item follows: the ``(B, T)``
+    fp32 sampling-time log-probs ``log_softmax(logits / temperature)`` of the response tokens, zero where the mask is
+    zero (``None`` when sampling greedily). The model is put in eval mode meanwhile. ``vision``: the rows' image
+    inputs (vision-language models).
+    """
+    config = settings.generation_config()
+    chunks, logprob_chunks = [], []
+    with eval_mode(model), _generation_config(model, config):
+        for start in range(0, prompt_ids.shape[0], batch_size):
+            ids, mask = prompt_ids[start : start + batch_size], prompt_mask[start : start + batch_size]
+            sampler = settings.sampler()
+            extra, banned = generation_inputs(
+                None if vision is None else vision[start : start + batch_size], ids, sampler
+            )
+            processors = LogitsProcessorList(([sampler] if sampler is not None else []) + banned)
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=processors, **extra
+            )
+            chunks.append(out[:, ids.shape[1] :])
+            if sampler is not None:
+                logprob_chunks.append(sampler.logprobs()[:, : chunks[-1].shape[1]])
+    width = max(1, max(c.shape[1] for c in chunks))
+    shape = (prompt_ids.shape[0], width)
+    responses = torch.full(shape, settings.pad_token_id, dtype=torch.long, device=prompt_ids.device)
+    generated = torch.zeros_like(responses, dtype=torch.bool)
+    logprobs = torch.zeros(shape, dtype=torch.float32, device=prompt_ids.device) if logprob_chunks else None
+    row = 0
+    for i, chunk in enumerate(chunks):
+        responses[row : row + chunk.shape[0], : chunk.shape[1]] = chunk
+        generated[row : row + chunk.shape[0], : chunk.shape[1]] = True
+        if logprobs is not None:
+            logprobs[row : row + chunk.shape[0], : chunk.shape[1]] = logprob_chunks[i].to(logprobs.device)
+        row += chunk.shape[0]
+    if settings.stop_token_ids:
+        responses, mask = truncate_after_stop_token(responses, settings.stop_token_ids, settings.pad_token_id)
+        mask = mask * generated
+    else:
+        mask = generated.long()
+    ended_ids = settings.stop_token_ids or ((settings.eos_token_id,) if settings.eos_token_id is not None else ())
+    ended = torch.tensor(list(ended_ids), dtype=torch.long, device=responses.device)
+    contains_stop = (torch.isin(responses, ended) & (mask != 0)).any(-1)
+    if not return_logprobs:
+        return responses, mask, contains_stop
+    if logprobs is not None:
+        logprobs = torch.where(mask != 0, logprobs, torch.zeros_like(logprobs))
+    return responses, mask, contains_stop, logprobs
+
+
+# ------------------------------------------------------------------------------------------------ scoring
+@dataclass
+class PolicyOutput:
+    """Per-response-token outputs of :func:`forward_response`, all ``(B, T)`` and zero where the mask is zero."""
+
+    logprobs: torch.Tensor
+    values: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+
+def supports_logits_to_keep(model: nn.Module) -> bool:
+    """Whether ``model``'s forward accepts ``logits_to_keep`` (looked up through DDP/DeepSpeed, PEFT and value-head
+    wrappers; a wrapper may also declare it with a ``supports_logits_to_keep`` attribute)."""
+    import inspect
+
+    for _ in range(8):
+        declared = getattr(model, "supports_logits_to_keep", None)
+        if isinstance(declared, bool):
+            return declared
+        if isinstance(getattr(model, "module", None), nn.Module):  # DDP, DeepSpeed engine
+            model = model.module
+        elif is_peft_model(model):
+            model = model.get_base_model()
+        elif isinstance(model, AutoModelForCausalLMWithValueHead):
+            model = model.pretrained_model
+        else:
+            break
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def causal_lm_outputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, last: int, vision=None):
+    """One forward pass of a causal LM over (possibly left-padded) rows, positions taken from the mask, no KV cache;
+    only the ``last`` logits are computed when the model supports ``logits_to_keep`` (callers slice the last ``last``
+    positions either way). ``vision``: the rows' image inputs (:func:`~trl_ext.rollout.vision.add_vision_inputs`).
+    Returns the model's output."""
+    kwargs = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids_from_attention_mask(attention_mask),
+        "use_cache": False,
+    }
+    if supports_logits_to_keep(model):
+        kwargs["logits_to_keep"] = last
+    return model(**add_vision_inputs(kwargs, vision))
+
+
+def forward_response(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_length: int,
+    *,
+    temperature: float = 1.0,
+    return_values: bool = False,
+    return_entropy: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    vision: VisionInputs | None = None,
+) -> PolicyOutput:
+    """Log-probs (and values, entropies) of the last ``response_length`` tokens of ``prompt + response`` rows.
+
+    The one forward pass used for sampling-time log-probs, reference log-probs and the training loss. Positions come
+    from the mask; only the ``T + 1`` last logits are computed when the model supports ``logits_to_keep``; log-probs
+    are ``log_softmax(logits / temperature)`` at the tokens, chunked (:func:`trl_ext.ops.logprobs_from_logits`).
+    ``V_t`` is the critic output at the position *before* token ``t`` (the state the action is taken in). Gradients
+    flow through log-probs and values (entropies are computed without gradient, for logging). ``vision``: the rows'
+    image inputs (vision-language models).
+    """
+    T = response_length
+    out = causal_lm_outputs(model, input_ids, attention_mask, T + 1, vision=vision)
+    # The last T + 1 positions, whole: slicing off the final one would make the logits non-contiguous, and every pass
+    # over them (log-probs forward and backward, entropy) would then copy them. The final position gets the ignored
+    # label instead (log-prob exactly 0, no gradient) and is dropped from the results.
+    logits = out.logits[:, -(T + 1) :]
+    keep = attention_mask[:, -T:] != 0
+    labels = torch.cat([input_ids[:, -T:], torch.full_like(input_ids[:, :1], -100)], dim=1)
+    computed = logprobs_from_logits(
+        logits, labels, temperature=temperature, chunk_size=chunk_size, return_entropy=return_entropy
+    )
+    # Entropies come from the same pass over the logits, without gradient (for logging).
+    logprobs, entropy = computed if return_entropy else (computed, None)
+    result = PolicyOutput(logprobs=torch.where(keep, logprobs[:, :T], torch.zeros_like(logprobs[:, :T])))
+    if entropy is not None:
+        result.entropy = torch.where(keep, entropy[:, :T], torch.zeros_like(entropy[:, :T]))
+    if return_values:
+        value = getattr(out, "value", None)
+        if value is None:
+            raise ValueError(f"{type(model).__name__} returned no `value`: it has no critic to read values from.")
+        value = value[:, -(T + 1) : -1].float()
+        result.values = torch.where(keep, value, torch.zeros_like(value))
+    return result
+
+
+@torch.no_grad()
+def rollout_logprobs(model: nn.Module, rollout: Rollout, batch_size: int, temperature: float) -> torch.Tensor:
+    """``(B, T)`` fp32 log-probs of ``model`` at the responses of ``rollout`` (:func:`forward_response`, no gradient,
+    ``batch_size`` rows per pass). The caller sets the model's mode and any autocast."""
+    parts = []
+    for chunk in rollout.split(batch_size):
+        out = forward_response(
+            model, chunk.input_ids, chunk.attention_mask, chunk.response_length, temperature=temperature,
+            vision=chunk.vision,
+        )  # fmt: skip
+        parts.append(out.logprobs.float())
+    return torch.cat(parts)
+
+
+class RolloutReward:
+    """Scores ``prompt + response`` rows: ``(B,)`` fp32 on the rows' device.
+
+    - an ``nn.Module`` reward model is taken to share the policy's tokenizer (TRL's PPO convention) and is scored on
+      the token ids with :func:`~trl_ext.models.get_sequence_scores`, at the last real token of each row (from the
+      mask, so left/right padding and pad == eos are right);
+    - anything else goes through :func:`~trl_ext.models.as_reward_function` (a ``(model, tokenizer)`` pair, a
+      ``RewardFunction``, a callable ``(prompts, completions) -> scores``, a URL, a checkpoint path) and is scored on
+      the decoded texts; with ``uses_images`` it also gets the rows' PIL images as ``images=``.
+    """
+
+    def __init__(self, reward, tokenizer, uses_images: bool = False):
+        self.tokenizer, self.uses_images = tokenizer, uses_images
+        self.model: nn.Module | None = None
+        self.function: RewardFunction | None = None
+        if isinstance(reward, nn.Module):
+            embeddings = reward.get_input_embeddings() if hasattr(reward, "get_input_embeddings") else None
+            size = getattr(embeddings, "num_embeddings", None)
+            if size is not None and size < len(tokenizer):
+                raise ValueError(
+                    f"The reward model's vocabulary ({size} tokens) is smaller than the policy tokenizer's "
+                    f"({len(tokenizer)}): it cannot read the policy's token ids. If it has its own tokenizer, pass "
+                    "reward_model=(model, its_tokenizer) to score decoded text instead."
+                )
+            self.model = reward
+        else:
+            self.function = as_reward_function(reward)
+
+    @property
+    def uses_token_ids(self) -> bool:
+        return self.model is not None
+
+    @torch.no_grad()
+    def __call__(self, prompt_ids, prompt_mask, response_ids, response_mask, vision=None) -> torch.Tensor:
+        device = prompt_ids.device
+        if self.model is not None:
+            param = next(self.model.parameters(), None)
+            target = param.device if param is not None else device
+            ids = torch.cat([prompt_ids, response_ids], 1).to(target)
+            mask = torch.cat([prompt_mask, response_mask], 1).to(target)
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                return get_sequence_scores(self.model, ids, mask).float().to(device)
+            finally:
+                self.model.train(was_training)
+        kwargs = {"images": reward_images(vision)} if self.uses_images else {}
+        ids_and_masks = (prompt_ids, response_ids, self.tokenizer, prompt_mask, response_mask)
+        scores = self.function.score_token_ids(*ids_and_masks, **kwargs)
+        return scores.float().to(device)
+
+
+# ------------------------------------------------------------------------------------------------ the rollout
+class RolloutGenerator:
+    """Makes :class:`Rollout` s. Configure once, call per prompt batch: ``rollout = generator(model, ids, mask)``.
+
+    Args:
+        settings: the sampling settings (temperature, stop tokens, N samples per prompt, ...).
+        reward: a :class:`RolloutReward`.
+        reference: a :class:`ReferencePolicy`.
+        forward_batch_size: rows per ``generate`` call and per scoring forward pass.
+        accelerator: the trainer's `accelerate.Accelerator` (generation unwraps the model through it and scoring
+            runs under its autocast); ``None`` for a plain module.
+        missing_eos_penalty: subtracted from the scores of responses without a stop token.
+        policy_of: maps the unwrapped trainable model to the policy that generates (e.g. ``lambda m: m.policy``).
+        with_values: read the critic's values (``model(...)`` must return ``value``).
+        gather_deepspeed3_params: passed to `trl.models.unwrap_model_for_generation`.
+        gradient_checkpointing_kwargs: passed to it too (it re-enables checkpointing after generation).
+        chunk_size: tokens per chunk of the log-prob computation.
+        logprobs_from_generation: take the policy's sampling-time log-probs from ``generate`` itself (recorded by
+            :class:`~trl_ext.rollout.sampling.SampleAndRecord`) instead of a separate forward pass. Only used when
+            the policy computes in fp32 without mixed precision: in 16-bit, cached decoding and a full forward pass
+            differ by more than the PPO ratio tolerates, so the forward pass is kept there.
+    """
+
+    def __init__(
+        self,
+        settings: SamplingSettings,
+        reward: RolloutReward,
+        reference: ReferencePolicy,
+        forward_batch_size: int,
+        accelerator=None,
+        missing_eos_penalty: float | None = None,
+        policy_of: Callable[[nn.Module], nn.Module] = lambda model: model,
+        with_values: bool = False,
+        gather_deepspeed3_params: bool = True,
+        gradient_checkpointing_kwargs: dict | None = None,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        logprobs_from_generation: bool = True,
+    ):
+        self.settings, self.reward, self.reference = settings, reward, reference
+        self.logprobs_from_generation = logprobs_from_generation
+        self.forward_batch_size, self.accelerator = int(forward_batch_size), accelerator
+        self.missing_eos_penalty, self.policy_of, self.with_values = missing_eos_penalty, policy_of, with_values
+        self.gather_deepspeed3_params = gather_deepspeed3_params
+        self.gradient_checkpointing_kwargs, self.chunk_size = gradient_checkpointing_kwargs, chunk_size
+
+    def _unwrapped(self, model: nn.Module) -> nn.Module:
+        return self.accelerator.unwrap_model(model) if self.accelerator is not None else model
+
+    @contextlib.contextmanager
+    def _generation_model(self, model: nn.Module) -> Iterator[nn.Module]:
+        if self.accelerator is None:
+            yield self.policy_of(model)
+            return
+        from trl.models import unwrap_model_for_generation
+
+        with unwrap_model_for_generation(
+            model,
+            self.accelerator,
+            gather_deepspeed3_params=self.gather_deepspeed3_params,
+            gradient_checkpointing_kwargs=self.gradient_checkpointing_kwargs,
+        ) as unwrapped:
+            yield self.policy_of(unwrapped)
+
+    def _autocast(self):
+        return self.accelerator.autocast() if self.accelerator is not None else contextlib.nullcontext()
+
+    def _full_precision(self, policy: nn.Module) -> bool:
+        if self.accelerator is not None and str(self.accelerator.mixed_precision) != "no":
+            return False
+        param = next(policy.parameters(), None)
+        return param is None or param.dtype == torch.float32
+
+    def _values(self, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, T: int, vision=None) -> torch.Tensor:
+        """Critic values without the policy's log-probs: through ``critic_values`` when the module has it (e.g.
+        :class:`~trl_ext.trainers.ppo.policy_value.PolicyAndValueModel`, which then skips the policy when the critic is
+        a separate model), else through :func:`forward_response`."""
+        critic_values = getattr(self._unwrapped(model), "critic_values", None)
+        if critic_values is not None:
+            return critic_values(ids, mask, T, vision=vision)
+        out = forward_response(
+            model, ids, mask, T, temperature=self.settings.temperature, return_values=True, vision=vision
+        )
+        return out.values
+
+    def __call__(
+        self, model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, vision: VisionInputs | None = None
+    ) -> Rollout:
+        """Sample and score responses for left-padded ``prompt_ids``/``prompt_mask`` ``(B_p, P)``.
+
+        ``model`` is the trainable module as the trainer holds it (possibly DDP/DeepSpeed-wrapped); its forward
+        gives the policy's logits (and ``value`` with ``with_values``). ``vision``: the prompts' image inputs.
+        """
+        n = self.settings.num_samples_per_prompt
+        prompt_ids = prompt_ids.repeat_interleave(n, dim=0)
+        prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
+        vision = vision.repeat_interleave(n) if vision is not None else None
+        start = time.perf_counter()
+        with self._generation_model(model) as policy:
+            responses, response_mask, contains_stop, sampled_logprobs = generate_responses(
+                policy, prompt_ids, prompt_mask, self.settings, self.forward_batch_size, return_logprobs=True,
+                vision=vision,
+            )  # fmt: skip
+            if not (self.logprobs_from_generation and self._full_precision(policy)):
+                sampled_logprobs = None
+        generation_time = time.perf_counter() - start
+        start = time.perf_counter()
+        ids = torch.cat([prompt_ids, responses], 1)
+        mask = torch.cat([prompt_mask, response_mask], 1)
+        T = responses.shape[1]
+        parts: dict[str, list[torch.Tensor]] = {"logprobs": [], "ref_logprobs": [], "values": [], "scores": []}
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), self._autocast():
+                for s in range(0, ids.shape[0], self.forward_batch_size):
+                    rows = slice(s, s + self.forward_batch_size)
+                    row_vision = vision[rows] if vision is not None else None
+                    if sampled_logprobs is not None:
+                        parts["logprobs"].append(sampled_logprobs[rows])
+                        if self.with_values:
+                            parts["values"].append(self._values(model, ids[rows], mask[rows], T, row_vision))
+                    else:
+                        out = forward_response(
+                            model, ids[rows], mask[rows], T, temperature=self.settings.temperature,
+                            return_values=self.with_values, chunk_size=self.chunk_size, vision=row_vision,
+                        )  # fmt: skip
+                        parts["logprobs"].append(out.logprobs)
+                        if out.values is not None:
+                            parts["values"].append(out.values)
+                    with self.reference.module(self.policy_of(self._unwrapped(model))) as reference:
+                        ref = forward_response(
+                            reference, ids[rows], mask[rows], T,
+                            temperature=self.settings.temperature, chunk_size=self.chunk_size, vision=row_vision,
+                        )  # fmt: skip
+                    parts["ref_logprobs"].append(ref.logprobs)
+                    batch = (prompt_ids[rows], prompt_mask[rows], responses[rows], response_mask[rows])
+                    parts["scores"].append(self.reward(*batch, row_vision))
+        finally:
+            model.train(was_training)
+        scores = torch.cat(parts["scores"])
+        if self.missing_eos_penalty is not None:
+            scores = torch.where(contains_stop, scores, scores - self.missing_eos_penalty)
+        return Rollout(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=responses,
+            response_mask=response_mask,
+            logprobs=torch.cat(parts["logprobs"]),
+            ref_logprobs=torch.cat(parts["ref_logprobs"]),
+            scores=scores,
+            contains_stop=contains_stop,
+            values=torch.cat(parts["values"]) if parts["values"] else None,
+            num_samples_per_prompt=n,
+            timings={"generation": generation_time, "scoring": time.perf_counter() - start},
+            vision=vision,
+        )

@@ -1,0 +1,268 @@
+"""Saving and loading PPO's policy and critic in a folder `from_pretrained` can read.
+
+Layout of a saved folder (the final `save_model` output and every `checkpoint-N`):
+
+- the root holds the policy exactly as ``policy.save_pretrained`` writes it — full weights (loadable with
+  ``AutoModelForCausalLM.from_pretrained``; a shared actor-critic policy includes its value head), or the LoRA
+  adapter under PEFT — plus the tokenizer;
+- ``value_model/`` holds the separate critic, when there is one (``save_pretrained`` of the value model);
+- in checkpoints, `transformers.Trainer` adds the optimizer, scheduler, RNG states and ``trainer_state.json``, and
+  PPO adds ``ppo_rollout_state-rank<i>.pt`` when the checkpoint falls in the middle of a rollout.
+
+Writes are staged: everything is written to a hidden temporary folder next to the target, then moved into place
+entry by entry with atomic renames. `transformers.Trainer` (5.23) writes ``checkpoint-N`` in place, not through a
+temporary folder, so an interrupted save leaves a partial ``checkpoint-N``; `Trainer` writes
+``trainer_state.json`` last, and :func:`last_complete_checkpoint` only picks checkpoints that have it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import tempfile
+
+import torch
+from torch import nn
+
+from ...models.lora import is_peft_model
+
+__all__ = [
+    "PROPOSAL_DIR",
+    "ROLLOUT_STATE_PATTERN",
+    "VALUE_MODEL_DIR",
+    "is_complete_checkpoint",
+    "last_complete_checkpoint",
+    "load_policy_and_proposal",
+    "load_policy_and_value",
+    "resolve_resume_checkpoint",
+    "save_policy_and_proposal",
+    "save_policy_and_value",
+]
+
+logger = logging.getLogger(__name__)
+
+VALUE_MODEL_DIR = "value_model"
+PROPOSAL_DIR = "proposal"
+TRAINER_STATE_NAME = "trainer_state.json"
+ROLLOUT_STATE_PATTERN = "ppo_rollout_state-rank{rank}.pt"
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _split_state_dict(state_dict: dict | None, prefix: str) -> dict | None:
+    if state_dict is None:
+        return None
+    return {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+
+
+def _move_into(stage: str, target: str) -> None:
+    """Move every entry of ``stage`` into ``target`` with renames (an existing entry is replaced)."""
+    os.makedirs(target, exist_ok=True)
+    for name in os.listdir(stage):
+        src, dst = os.path.join(stage, name), os.path.join(target, name)
+        if os.path.isdir(src) and os.path.exists(dst):
+            old = f"{dst}.old-{os.getpid()}"
+            os.replace(dst, old)
+            os.replace(src, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(src, dst)
+
+
+def _save_pretrained(model: nn.Module, path: str, state_dict: dict | None) -> None:
+    model.save_pretrained(path, **({"state_dict": state_dict} if state_dict else {}))
+
+
+def _save_two_models(
+    policy: nn.Module,
+    second: nn.Module | None,
+    second_dir: str,
+    output_dir: str,
+    *,
+    state_dict: dict | None,
+    processing_class,
+    extra_files: dict[str, object] | None,
+    tokenizer_with_second: bool,
+    stage_prefix: str,
+) -> None:
+    """Stage the policy (root), ``second`` (``second_dir/``, with the tokenizer when ``tokenizer_with_second``), the
+    tokenizer and ``extra_files`` in a hidden folder of ``output_dir``, then rename them into place. A
+    ``state_dict`` of the wrapper (keys ``policy.*`` / ``<second_dir>.*``) replaces the models' own weights."""
+    os.makedirs(output_dir, exist_ok=True)
+    stage = tempfile.mkdtemp(prefix=stage_prefix, dir=output_dir)
+    try:
+        _save_pretrained(policy, stage, _split_state_dict(state_dict, "policy."))
+        if second is not None:
+            path = os.path.join(stage, second_dir)
+            _save_pretrained(second, path, _split_state_dict(state_dict, f"{second_dir}."))
+            if processing_class is not None and tokenizer_with_second:
+                processing_class.save_pretrained(path)
+        if processing_class is not None:
+            processing_class.save_pretrained(stage)
+        for name, obj in (extra_files or {}).items():
+            torch.save(obj, os.path.join(stage, name))
+        _move_into(stage, output_dir)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def save_policy_and_value(
+    policy: nn.Module,
+    value_model: nn.Module | None,
+    output_dir: str,
+    *,
+    state_dict: dict | None = None,
+    processing_class=None,
+    extra_files: dict[str, object] | None = None,
+) -> None:
+    """Write the policy to ``output_dir`` and the critic to ``output_dir/value_model`` (see the module docs).
+
+    Args:
+        policy: the policy (a `PreTrainedModel` or a `PeftModel`, which saves its adapter).
+        value_model: the separate critic or ``None``.
+        output_dir: target folder (created if needed).
+        state_dict: optional full state dict of the `PolicyAndValueModel` (keys ``policy.*`` / ``value_model.*``),
+            e.g. gathered from DeepSpeed or FSDP; otherwise each model's own weights are saved.
+        processing_class: tokenizer / processor saved next to the policy.
+        extra_files: ``{file name: object}`` saved with ``torch.save`` in the root (e.g. the training arguments).
+    """
+    _save_two_models(
+        policy, value_model, VALUE_MODEL_DIR, output_dir, state_dict=state_dict, processing_class=processing_class,
+        extra_files=extra_files, tokenizer_with_second=False, stage_prefix=".ppo-save-",
+    )  # fmt: skip
+    logger.info(
+        "Saved the policy to %s%s.", output_dir, f" and the value model to {VALUE_MODEL_DIR}/" if value_model else ""
+    )
+
+
+def _copy_weights_from_pretrained(model: nn.Module, path: str) -> None:
+    """Load the weights saved in ``path`` into ``model`` in place, through the class's own `from_pretrained`
+    (which applies transformers' checkpoint key conversions, e.g. GPT-NeoX ``embed_out`` → ``lm_head``)."""
+    param = next(model.parameters())
+    if hasattr(type(model), "from_pretrained"):
+        loaded = type(model).from_pretrained(path, dtype=param.dtype)
+    else:  # e.g. an OpenRLHF-style ValueHeadRewardModel critic
+        from ...models.critic import load_critic
+
+        loaded = load_critic(path, dtype=param.dtype)
+    result = model.load_state_dict(loaded.state_dict(), strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise RuntimeError(
+            f"The weights in {path} do not match {type(model).__name__}: missing {result.missing_keys[:5]}, "
+            f"unexpected {result.unexpected_keys[:5]}."
+        )
+    del loaded
+
+
+def load_policy_and_value(policy: nn.Module, value_model: nn.Module | None, checkpoint_dir: str) -> None:
+    """Restore the policy (full weights, or the LoRA adapter under PEFT) and the critic saved in ``checkpoint_dir``."""
+    if is_peft_model(policy):
+        adapter = policy.active_adapter if isinstance(policy.active_adapter, str) else policy.active_adapters[0]
+        policy.load_adapter(checkpoint_dir, adapter_name=adapter, is_trainable=True)
+        policy.set_adapter(adapter)
+    else:
+        _copy_weights_from_pretrained(policy, checkpoint_dir)
+    if value_model is not None:
+        path = os.path.join(checkpoint_dir, VALUE_MODEL_DIR)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(
+                f"{checkpoint_dir} has no {VALUE_MODEL_DIR}/ folder: it was not written by trl_ext's PPOTrainer with "
+                "a separate value model (TRL 1.12 checkpoints hold only the policy and cannot restore the critic)."
+            )
+        _copy_weights_from_pretrained(value_model, path)
+    what = " and the value model" if value_model is not None else ""
+    logger.info("Restored the policy%s from %s.", what, checkpoint_dir)
+
+
+def is_complete_checkpoint(path: str) -> bool:
+    """True when ``path`` holds ``trainer_state.json``, the last file `Trainer` writes into a checkpoint."""
+    return os.path.isfile(os.path.join(path, TRAINER_STATE_NAME))
+
+
+def last_complete_checkpoint(output_dir: str) -> str | None:
+    """The ``checkpoint-N`` folder of ``output_dir`` with the largest ``N`` that is complete, or ``None``.
+
+    Newer incomplete checkpoints (an interrupted save) are skipped with a warning.
+    """
+    if not os.path.isdir(output_dir):
+        return None
+    steps = sorted(
+        ((int(m.group(1)), name) for name in os.listdir(output_dir) if (m := _CHECKPOINT_RE.match(name))),
+        reverse=True,
+    )
+    for _, name in steps:
+        path = os.path.join(output_dir, name)
+        if os.path.isdir(path) and is_complete_checkpoint(path):
+            return path
+        logger.warning("Skipping %s: it has no %s (an interrupted save).", path, TRAINER_STATE_NAME)
+    return None
+
+
+def resolve_resume_checkpoint(resume_from_checkpoint: str | bool | None, output_dir: str) -> str | None:
+    """The checkpoint folder `Trainer.train` should resume from, or ``None`` for a fresh run.
+
+    ``True`` picks the newest *complete* checkpoint of ``output_dir`` (:func:`last_complete_checkpoint`); a path
+    must be a complete checkpoint; anything false (``None``, ``False``, ``""``) means no resume.
+
+    Raises:
+        ValueError: ``True`` and no complete checkpoint exists, or the path is not a complete checkpoint.
+    """
+    if resume_from_checkpoint is True:
+        path = last_complete_checkpoint(output_dir)
+        if path is None:
+            raise ValueError(f"No complete checkpoint (with {TRAINER_STATE_NAME}) in {output_dir}.")
+        return path
+    if not resume_from_checkpoint:
+        return None
+    if not is_complete_checkpoint(resume_from_checkpoint):
+        raise ValueError(
+            f"{resume_from_checkpoint} is not a complete checkpoint (no {TRAINER_STATE_NAME}; probably interrupted "
+            "while saving). Resume from an earlier one, or pass resume_from_checkpoint=True."
+        )
+    return resume_from_checkpoint
+
+
+# ------------------------------------------------------------------------------------ RePULSe: policy + proposal
+def save_policy_and_proposal(
+    policy: nn.Module,
+    proposal: nn.Module | None,
+    output_dir: str,
+    *,
+    state_dict: dict | None = None,
+    processing_class=None,
+    extra_files: dict[str, object] | None = None,
+) -> None:
+    """Write the policy to ``output_dir`` and the proposal to ``output_dir/proposal`` (the harmlessness trainer's
+    layout; the same staged, rename-into-place writes as :func:`save_policy_and_value`).
+
+    Args:
+        policy: the policy (a `PreTrainedModel`, or a `PeftModel`, which saves its adapter).
+        proposal: the proposal or ``None``.
+        output_dir: target folder (created if needed).
+        state_dict: optional full state dict of the `HarmlessnessModels` wrapper (keys ``policy.*`` /
+            ``proposal.*``), e.g. gathered from DeepSpeed or FSDP.
+        processing_class: tokenizer / processor saved next to the policy (and the proposal).
+        extra_files: ``{file name: object}`` saved with ``torch.save`` in the root.
+    """
+    _save_two_models(
+        policy, proposal, PROPOSAL_DIR, output_dir, state_dict=state_dict, processing_class=processing_class,
+        extra_files=extra_files, tokenizer_with_second=True, stage_prefix=".repulse-save-",
+    )  # fmt: skip
+    logger.info("Saved the policy to %s%s.", output_dir, f" and the proposal to {PROPOSAL_DIR}/" if proposal else "")
+
+
+def load_policy_and_proposal(policy: nn.Module, proposal: nn.Module | None, checkpoint_dir: str) -> None:
+    """Restore the policy and the proposal (full weights, or LoRA adapters under PEFT) saved by
+    :func:`save_policy_and_proposal` in ``checkpoint_dir``."""
+    load_policy_and_value(policy, None, checkpoint_dir)
+    if proposal is None:
+        return
+    path = os.path.join(checkpoint_dir, PROPOSAL_DIR)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"{checkpoint_dir} has no {PROPOSAL_DIR}/ folder: it was not written by trl_ext's HarmlessnessTrainer "
+            "with a proposal model, so the proposal cannot be restored."
+        )
+    load_policy_and_value(proposal, None, path)
+    logger.info("Restored the proposal from %s.", path)

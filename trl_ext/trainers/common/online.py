@@ -1,0 +1,297 @@
+"""`OnlineTrainerMixin`: the `transformers.Trainer` plumbing that `PPOTrainer`, `ProposalTrainer` and
+`HarmlessnessTrainer` share.
+
+Each of the three trains on responses it samples itself from prompt batches, so they set up and run the same way:
+check the inputs and the tokenizer, seed before building models, tokenise the prompt datasets, put the frozen
+reference and reward model next to the trained module, build the sampling settings and the rollout generator, hand
+`Trainer` a dataloader of prompt batches (:class:`~trl_ext.rollout.data.RolloutSampler`), resolve
+``resume_from_checkpoint`` to a *complete* checkpoint, and save their models in HF format with a model card. Those
+steps are written here once; each trainer keeps its own models, losses and metrics.
+
+The mixin goes before `_BaseTrainer` in the bases (``class PPOTrainer(OnlineTrainerMixin, _BaseTrainer)``) and
+expects ``self.tokenizer``, ``self.reference``, ``self.ref_model`` and ``self.reward_model`` to be set.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from transformers.trainer_utils import enable_full_determinism, set_seed
+from trl.trainer import disable_dropout_in_model
+
+from ...models.quantization import keep_4bit_layers_trainable
+from ...rollout.data import PromptCollator, RolloutSampler, check_pad_token, prepare_prompt_dataset, tokenizer_of
+from ...rollout.generator import ReferencePolicy, RolloutGenerator, RolloutReward, SamplingSettings, generate_responses
+from ...rollout.vision import (
+    VisionPromptCollator,
+    check_dataset_images,
+    check_reward_images,
+    prepare_vision_dataset,
+    vision_setup,
+)
+from . import checkpoint as ckpt
+from .metrics import log_completions_table, print_completions_table
+
+__all__ = ["OnlineTrainerMixin", "forked_rng"]
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def forked_rng() -> Iterator[None]:
+    """Run the body under a copy of the CPU (and current CUDA device's) RNG state, so that sampling for evaluation or
+    sample tables does not change the training run."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
+class OnlineTrainerMixin(abc.ABC):
+    """Setup, data, resume and save steps shared by the online trainers (see the module docs)."""
+
+    _config_class: type = object
+    """The config class ``args`` must be an instance of."""
+    _saved_models: str = "the policy"
+    """What :meth:`save_model` writes, for its warning when ZeRO-3 weights cannot be gathered."""
+
+    # ------------------------------------------------------------------------------------------------ setup
+    def _begin_setup(self, args, processing_class, train_dataset, reward_model) -> None:
+        """First step of a constructor: check what every online trainer needs, set ``self.tokenizer`` and
+        ``self.stop_token_id``, and seed (as `Trainer` does for ``model_init``) so that weights created while building
+        the models (a value head, a modulation, LoRA adapters) are reproducible from ``args.seed``."""
+        if not isinstance(args, self._config_class):
+            raise TypeError(f"args must be a trl_ext {self._config_class.__name__}, got {type(args).__name__}.")
+        if train_dataset is None:
+            raise ValueError("`train_dataset` is required: a dataset with a 'prompt' or an 'input_ids' column.")
+        if reward_model is None:
+            raise ValueError("`reward_model` is required (a reward model, a reward function, a callable or a URL).")
+        if args.load_best_model_at_end:
+            raise ValueError(
+                f"load_best_model_at_end is not supported by {type(self).__name__} (there is no eval loss)."
+            )
+        self.tokenizer = tokenizer_of(processing_class)
+        self._processing_class = processing_class  # a processor, for vision-language policies
+        check_pad_token(self.tokenizer)
+        self.stop_token_id = self.tokenizer.eos_token_id if args.stop_token == "eos" else args.stop_token_id
+        enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
+
+    @staticmethod
+    def _disable_dropout(*modules) -> None:
+        for module in modules:
+            if isinstance(module, nn.Module):
+                disable_dropout_in_model(module)
+
+    def _prepare_datasets(self, args, train_dataset, eval_dataset, model: nn.Module | None = None):
+        """Tokenise the prompts (:func:`prepare_prompt_dataset`); ``eval_dataset`` may be a dict of datasets.
+
+        With an image column and a vision-language ``model`` (the policy), the prompts are templated instead
+        (:func:`~trl_ext.rollout.vision.prepare_vision_dataset`) and ``self.vision_spec`` is set (``None``
+        otherwise); a trainer that passes no ``model`` takes no images."""
+        self.vision_spec = vision_setup(self._processing_class, model, train_dataset, trainer=type(self).__name__)
+        check_reward_images(self.vision_spec, getattr(self, "reward_model", None), args.reward_uses_images)
+        prepare = self._prepare_prompts
+        train_dataset = prepare(train_dataset, "train_dataset", args.dataset_num_proc)
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {
+                k: prepare(v, f"eval_dataset[{k}]", args.dataset_num_proc) for k, v in eval_dataset.items()
+            }
+        elif eval_dataset is not None:
+            eval_dataset = prepare(eval_dataset, "eval_dataset", args.dataset_num_proc)
+        return train_dataset, eval_dataset
+
+    def _prepare_prompts(self, dataset, name: str, num_proc: int | None = None):
+        spec = check_dataset_images(getattr(self, "vision_spec", None), dataset, name)
+        if spec is None:
+            return prepare_prompt_dataset(dataset, self.tokenizer, num_proc=num_proc, name=name)
+        return prepare_vision_dataset(dataset, self._processing_class, spec.image_column, num_proc=num_proc, name=name)
+
+    def _default_collator(self):
+        """Left-padded prompts; with images, the processor's batch and its image inputs (``vision``)."""
+        spec = getattr(self, "vision_spec", None)
+        if spec is not None:
+            return VisionPromptCollator(self._processing_class, spec)
+        return PromptCollator(self.tokenizer.pad_token_id)
+
+    def _init_trainer(self, model: nn.Module, tagged: nn.Module, args, data_collator=None, **kwargs) -> None:
+        """`Trainer.__init__` on the trained module ``model`` (default collator: left-padded prompts), with the model
+        card tags on ``tagged``; then place the frozen models."""
+        if hasattr(tagged, "add_model_tags"):
+            tagged.add_model_tags(self._tag_names)
+        if data_collator is None:
+            data_collator = self._default_collator()
+        keep_4bit_layers_trainable(model)  # a QLoRA policy/critic alternates eval-mode sampling and training
+        super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
+        self._place_frozen_models()
+
+    def _frozen_modules(self) -> dict[str, nn.Module]:
+        """``{attribute: module}`` of the frozen models to move next to the trained one."""
+        modules = {"ref_model": self.ref_model} if self.ref_model is not None else {}
+        if isinstance(self.reward_model, nn.Module):
+            modules["reward_model"] = self.reward_model
+        return modules
+
+    def _place_frozen_models(self) -> None:
+        """Put the frozen reference and reward model where the trained model is (DeepSpeed-prepared under
+        DeepSpeed)."""
+        for name, module in self._frozen_modules().items():
+            if self.is_deepspeed_enabled:
+                from trl.models import prepare_deepspeed
+
+                module = prepare_deepspeed(module, self.accelerator)
+            else:
+                module = module.to(self.accelerator.device)
+            setattr(self, name, module)
+        if self.ref_model is not None:
+            self.reference.model = self.ref_model
+        if isinstance(self.reward_model, nn.Module):
+            self.reward_model.eval()
+
+    def _sampling_settings(self, args) -> SamplingSettings:
+        return SamplingSettings(
+            max_new_tokens=args.response_length,
+            pad_token_id=self.tokenizer.pad_token_id,
+            temperature=args.temperature,
+            top_k=getattr(args, "top_k", None),
+            top_p=getattr(args, "top_p", 1.0),
+            stop_token_ids=(self.stop_token_id,) if self.stop_token_id is not None else None,
+            eos_token_id=self.tokenizer.eos_token_id,
+            num_samples_per_prompt=args.num_samples_per_prompt,
+        )
+
+    def _rollout_generator(self, reward: RolloutReward, reference: ReferencePolicy, **kwargs) -> RolloutGenerator:
+        """A :class:`RolloutGenerator` with ``self._sampling`` and the config's rollout options; ``kwargs`` (e.g.
+        ``policy_of``) are passed on."""
+        args = self.args
+        return RolloutGenerator(
+            self._sampling, reward, reference,
+            forward_batch_size=args.local_rollout_forward_batch_size, accelerator=self.accelerator,
+            missing_eos_penalty=args.missing_eos_penalty, gather_deepspeed3_params=args.ds3_gather_for_generation,
+            gradient_checkpointing_kwargs=args.activation_checkpointing_kwargs, **kwargs,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------------------------- Trainer plumbing
+    def _prompt_dataloader(self, prompts_per_process: int, repeat: int = 1) -> DataLoader:
+        """Batches of ``prompts_per_process`` prompts per process, each yielded ``repeat`` times in a row, in an order
+        fixed by the seed and the epoch (:class:`RolloutSampler`)."""
+        args = self.args
+        sampler = RolloutSampler(
+            len(self.train_dataset),
+            prompts_per_process * args.world_size,
+            repeat=repeat,
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+        )
+        loader = DataLoader(
+            self.train_dataset,
+            batch_size=prompts_per_process,
+            sampler=sampler,
+            collate_fn=self.data_collator,
+            num_workers=args.dataloader_num_workers,
+            pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
+        )
+        return self.accelerator.prepare(loader)
+
+    def get_train_dataloader(self) -> DataLoader:
+        """``per_device_train_batch_size`` prompts per process and micro-step, reshuffled every epoch
+        (:class:`RolloutSampler`)."""
+        return self._prompt_dataloader(self.args.per_device_train_batch_size)
+
+    def _eval_prompts(self, dataset=None):
+        """The prompts to evaluate or sample on: ``dataset`` (tokenised here), else the trainer's eval set; of a dict
+        of datasets, the first. ``None`` when there is none."""
+        given = dataset is not None
+        dataset = dataset if given else self.eval_dataset
+        if isinstance(dataset, dict):
+            dataset = next(iter(dataset.values()), None)
+        if given and dataset is not None:
+            dataset = self._prepare_prompts(dataset, "dataset")
+        return dataset
+
+    def _eval_dataloader(self, dataset, collate_fn=None) -> DataLoader:
+        """``per_device_eval_batch_size`` left-padded prompts per batch, in order."""
+        collate_fn = collate_fn if collate_fn is not None else self._default_collator()
+        loader = DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, collate_fn=collate_fn)
+        return self.accelerator.prepare(loader)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """`Trainer.train`; ``resume_from_checkpoint=True`` picks the newest *complete* checkpoint."""
+        resume_from_checkpoint = ckpt.resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        if resume_from_checkpoint is None:
+            # Each process samples with its own seed (the same seed would draw the same random numbers everywhere).
+            torch.manual_seed(self.args.seed + 100003 * self.accelerator.process_index)
+        self._start_training(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+
+    def _start_training(self, resume_from_checkpoint: str | None) -> None:
+        """Reset the trainer's own step state before `Trainer.train` (the checkpoint resumed from, or ``None``).
+        Nothing to reset by default."""
+        return None
+
+    # ----------------------------------------------------------------------------------------------- saving
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Save the trained model(s) at ``output_dir`` in HF format (a PEFT model saves its adapter) with the
+        tokenizer and the training arguments (:meth:`_write_models`); outside checkpoints, also the model card, and
+        push with ``push_to_hub``."""
+        output_dir = os.path.normpath(output_dir if output_dir is not None else self.args.output_dir)
+        state_dict, gathered = self._gathered_state_dict()
+        if self.args.should_save and gathered:
+            self._write_models(output_dir, state_dict)
+        if not _internal_call:
+            hub_id = self.args.hub_model_id
+            self.create_model_card(model_name=hub_id.split("/")[-1] if hub_id else os.path.basename(output_dir))
+            if self.args.push_to_hub:
+                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _gathered_state_dict(self) -> tuple[dict | None, bool]:
+        """``(state_dict, ok)``: the full state dict of the trained module under DeepSpeed / FSDP (``None``
+        otherwise; each model then saves its own weights); ``ok=False`` when the weights could not be gathered."""
+        if not (self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            return None, True
+        engine = self.deepspeed if self.is_deepspeed_enabled else self.model
+        try:
+            state_dict = self.accelerator.get_state_dict(engine)
+        except ValueError:
+            logger.warning(
+                "Could not gather the full weights (ZeRO-3 without stage3_gather_16bit_weights_on_model_save): "
+                "nothing is written in HF format for %s; the DeepSpeed engine checkpoint holds the weights.",
+                self._saved_models,
+            )
+            return None, False
+        return state_dict, state_dict is not None
+
+    @abc.abstractmethod
+    def _write_models(self, output_dir: str, state_dict: dict | None) -> None:
+        """Write the trained model(s) to ``output_dir`` (``state_dict``: the gathered weights, or ``None``)."""
+
+    # ---------------------------------------------------------------------------------------- sample tables
+    @torch.no_grad()
+    def _completion_rows(
+        self, ids: torch.Tensor, mask: torch.Tensor, settings: SamplingSettings, column: str, vision=None
+    ):
+        """One response per left-padded prompt of the model being trained (sampled with ``settings``), scored by the
+        reward: rows ``{"query", column, "score"}``. ``vision``: the prompts' image inputs."""
+        generator = self.rollout_generator
+        with generator._generation_model(self.model_wrapped) as policy:
+            responses, response_mask, _ = generate_responses(
+                policy, ids, mask, settings, self.args.local_rollout_forward_batch_size, vision=vision
+            )
+        scores = generator.reward(ids, mask, responses, response_mask, vision)
+        prompts = self.tokenizer.batch_decode([r[m != 0] for r, m in zip(ids, mask)], skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode([r[m != 0] for r, m in zip(responses, response_mask)])
+        return [{"query": p, column: t, "score": s} for p, t, s in zip(prompts, texts, scores.tolist())]
+
+    def _publish_completions(self, rows: list[dict], title: str) -> list[dict]:
+        """Gather the rows of every process; the main one prints them and logs them to the trackers."""
+        from accelerate.utils import gather_object
+
+        rows = gather_object(rows)
+        if self.accelerator.is_main_process:
+            print_completions_table(rows, title=f"{title} at step {self.state.global_step}")
+            log_completions_table(rows, self.args.report_to)
+        return rows

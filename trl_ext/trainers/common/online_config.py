@@ -1,0 +1,257 @@
+"""Config fields and checks the online trainers' configs share.
+
+- :class:`OnlineConfig` (base of `PPOConfig`, `ProposalConfig` and `HarmlessnessConfig`): how responses are sampled
+  (`response_length`, `stop_token` / `stop_token_id`, `temperature`, `num_samples_per_prompt`, ...), the missing-EOS
+  penalty, prompt tokenisation, TRL's defaults (activation checkpointing on; bf16 on only where a GPU is present)
+  and the checks of those fields.
+- :class:`TwistTargetConfig` (base of `ProposalConfig` and `HarmlessnessConfig`): the twisted target
+  ``σ ∝ p·exp(β·R)`` a proposal is trained towards (`target_dist_beta`, `rm_type`, `reward_cap`,
+  `reward_threshold`), how the twist is read off the proposal (`parameterization`) and the loss reduction.
+
+A subclass may redeclare a field to change its default (`PPOConfig` keeps TRL 1.12's `response_length=53`,
+`temperature=0.7`); it extends the checks by overriding `_validate` and calling ``super()._validate()`` first.
+Every check raises ``ValueError("<ConfigClass>: <what is wrong and what to change>")``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from trl.trainer.base_config import _BaseConfig
+
+from ...losses import AGGREGATIONS
+from ...rewards import RM_TYPES
+
+__all__ = ["OnlineConfig", "TwistTargetConfig"]
+
+logger = logging.getLogger(__name__)
+
+
+def _has_accelerator() -> bool:
+    import torch
+
+    xpu = getattr(torch, "xpu", None)
+    return torch.cuda.is_available() or bool(xpu is not None and xpu.is_available())
+
+
+@dataclass
+class OnlineConfig(_BaseConfig):
+    r"""
+    Options shared by the configurations of the online trainers ([`~trl_ext.PPOTrainer`],
+    [`~trl_ext.ProposalTrainer`], [`~trl_ext.HarmlessnessTrainer`]); see each of them for the full list.
+
+    Parameters:
+        > Parameters that control the data
+
+        dataset_num_proc (`int`, *optional*):
+            Number of processes used to tokenise the prompt datasets.
+
+        > Parameters that control generation
+
+        response_length (`int`, *optional*, defaults to `20`):
+            Maximum number of new tokens per response.
+        stop_token (`str`, *optional*):
+            `"eos"` ends responses at the tokenizer's eos token; mutually exclusive with `stop_token_id`.
+        stop_token_id (`int`, *optional*):
+            Id of the stop token; mutually exclusive with `stop_token`.
+        temperature (`float`, *optional*, defaults to `1.0`):
+            Sampling temperature; log-probabilities are computed at the same temperature.
+        num_samples_per_prompt (`int`, *optional*, defaults to `4`):
+            Responses sampled per prompt.
+        local_rollout_forward_batch_size (`int`, *optional*, defaults to `64`):
+            Rows per generation call and per no-grad scoring pass.
+        ds3_gather_for_generation (`bool`, *optional*, defaults to `True`):
+            Under DeepSpeed ZeRO-3, gather the weights once per generation call.
+
+        > Parameters that control the rewards
+
+        missing_eos_penalty (`float`, *optional*):
+            Subtracted from the raw score of responses without a stop token. Must be >= 0.
+        reward_uses_images (`bool`, *optional*, defaults to `False`):
+            Pass the prompts' images (PIL) to the reward function as `images=` (vision-language policies; the
+            reward must then be a callable or a `RewardFunction`). `False`: rewards score the text only.
+
+    > [!NOTE]
+    > Defaults that differ from [`~transformers.TrainingArguments`]: `logging_steps=10`, activation checkpointing on,
+    > and `bf16` on when `fp16` is off *and a GPU (or XPU) is present*; on a CPU-only machine (or with
+    > `use_cpu=True`) `bf16` defaults to `False` (TRL's default would refuse to start there).
+    """
+
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Deprecated alias of `activation_checkpointing`. Activation checkpointing is on by default (as "
+            "in TRL's configs): set either to False to turn it off."
+        },
+    )
+
+    # -------------------------------------------------------------------------------------------------- data
+    dataset_num_proc: int | None = field(
+        default=None, metadata={"help": "Number of processes used to tokenise the prompt datasets."}
+    )
+
+    # -------------------------------------------------------------------------------------------- generation
+    response_length: int = field(default=20, metadata={"help": "Maximum number of new tokens per response."})
+    stop_token: Literal["eos"] | None = field(
+        default=None,
+        metadata={
+            "help": "Stop token for generation: 'eos' (the tokenizer's eos_token) or None (no stop token unless "
+            "`stop_token_id` is set). Mutually exclusive with `stop_token_id`."
+        },
+    )
+    stop_token_id: int | None = field(
+        default=None,
+        metadata={
+            "help": "ID of the stop token for generation. If None, no stop token ID is applied, unless `stop_token` "
+            "is set. Mutually exclusive with `stop_token`."
+        },
+    )
+    temperature: float = field(
+        default=1.0,
+        metadata={
+            "help": "Sampling temperature; log-probs are computed at the same temperature (1.0: pure ancestral "
+            "sampling, which the twisted targets assume)."
+        },
+    )
+    num_samples_per_prompt: int = field(
+        default=4,
+        metadata={
+            "help": "Responses sampled per prompt by each model that samples (rows are grouped prompt by prompt); "
+            "twist losses and the 'rloo' baseline need >= 2."
+        },
+    )
+    local_rollout_forward_batch_size: int = field(
+        default=64, metadata={"help": "Rows per generation call and per no-grad scoring pass (per process)."}
+    )
+    ds3_gather_for_generation: bool = field(
+        default=True,
+        metadata={
+            "help": "This setting applies to DeepSpeed ZeRO-3. If enabled, the policy model weights are gathered for "
+            "generation, improving generation speed. However, disabling this option allows training models that "
+            "exceed the VRAM capacity of a single GPU, albeit at the cost of slower generation."
+        },
+    )
+
+    # ----------------------------------------------------------------------------------------------- rewards
+    missing_eos_penalty: float | None = field(
+        default=None,
+        metadata={
+            "help": "Penalty subtracted from the score when the model fails to generate an EOS (stop) token. Useful "
+            "to encourage completions shorter than `response_length`. Must be >= 0."
+        },
+    )
+    reward_uses_images: bool = field(
+        default=False,
+        metadata={
+            "help": "Pass the prompts' images (PIL) to the reward function as `images=` (vision-language policies; "
+            "the reward must be a callable or a RewardFunction). False: rewards score the text only."
+        },
+    )
+
+    def __post_init__(self):
+        if self.bf16 is None and not self.fp16 and (self.use_cpu or not _has_accelerator()):
+            self.bf16 = False
+            logger.info("%s: no GPU found (or use_cpu=True): bf16 defaults to False.", type(self).__name__)
+        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
+            self.activation_checkpointing = True  # TRL's configs default to checkpointing on
+        self._validate()
+        super().__post_init__()
+
+    # ------------------------------------------------------------------------------------------- checks
+    def _fail(self, message: str) -> None:
+        raise ValueError(f"{type(self).__name__}: {message}")
+
+    def _check_choice(self, name: str, choices: Iterable[str]) -> None:
+        """Fail when the field ``name`` is not one of ``choices``."""
+        choices = tuple(choices)
+        value = getattr(self, name)
+        if value not in choices:
+            self._fail(f"unknown {name} {value!r}; choose one of {', '.join(choices)}.")
+
+    def _validate(self) -> None:
+        """Checks of the sampling fields; subclasses add theirs after ``super()._validate()``."""
+        fail = self._fail
+        if self.response_length <= 0:
+            fail(f"response_length={self.response_length}: set response_length >= 1 (max new tokens per response).")
+        if self.stop_token is not None and self.stop_token_id is not None:
+            fail("both stop_token and stop_token_id are set; set only one (stop_token='eos' or stop_token_id=<id>).")
+        if self.stop_token not in (None, "eos"):
+            fail(f"unknown stop_token {self.stop_token!r}; allowed: 'eos' or None (use stop_token_id for an id).")
+        if not self.temperature > 0:
+            fail(f"temperature={self.temperature}: set temperature > 0.")
+        for name in ("num_samples_per_prompt", "local_rollout_forward_batch_size"):
+            if getattr(self, name) < 1:
+                fail(f"{name}={getattr(self, name)}: set it to at least 1.")
+        if self.missing_eos_penalty is not None and self.missing_eos_penalty < 0:
+            fail(f"missing_eos_penalty={self.missing_eos_penalty} must be >= 0 (it is subtracted from the score).")
+
+
+@dataclass
+class TwistTargetConfig(OnlineConfig):
+    r"""
+    [`OnlineConfig`] plus the options of a proposal trained towards a twisted target ``σ ∝ p·exp(β·R)``, shared by
+    [`~trl_ext.ProposalConfig`] (``p`` is the frozen reference) and [`~trl_ext.HarmlessnessConfig`] (``p`` is the
+    policy being trained); see each of them for what the fields mean there.
+
+    Parameters:
+        parameterization (`str`, *optional*, defaults to `"policy_psi_q_p_s_t"`):
+            How the twist ``log ψ_t`` is read off the proposal ``q``.
+        loss_aggregation (`str`, *optional*, defaults to `"seq-mean-token-mean"`):
+            Reduction of per-token losses: `"seq-mean-token-mean"` (the original code's), `"seq-mean-token-sum"` or
+            `"token-mean"`.
+        target_dist_beta (`float`, *optional*, defaults to `-10.0`):
+            β of the target. With `rm_type="rlhf"` (higher reward = better), β < 0 puts it on low-reward outputs.
+        rm_type (`str`, *optional*, defaults to `"rlhf"`):
+            Raw score ``r`` → ``R``: `"rlhf"` (``min(r, reward_cap)``), `"indicator_below_threshold"` or
+            `"toxicity_class_logprob"`.
+        reward_cap (`float`, *optional*):
+            Upper cap of `"rlhf"` rewards (`None`: none).
+        reward_threshold (`float`, *optional*):
+            Threshold of `"indicator_below_threshold"`.
+    """
+
+    parameterization: str = field(
+        default="policy_psi_q_p_s_t",
+        metadata={
+            "help": "Twist parameterisation of the proposal: 'policy_psi_q_p_s_t' (log q - log p per token), "
+            "'policy_psi_q_p_s_1_to_t', 'policy_psi_unnorm'; for ProposalTrainer also 'modulation_model', "
+            "'modulation_linear_head', 'modulation_nn_head' / 'modulation_mlp_head' (q ∝ p_ref·exp(m))."
+        },
+    )
+    loss_aggregation: Literal["seq-mean-token-mean", "seq-mean-token-sum", "token-mean"] = field(
+        default="seq-mean-token-mean",
+        metadata={
+            "help": "Reduction of per-token losses: 'seq-mean-token-mean' (the original's), 'seq-mean-token-sum' or "
+            "'token-mean' (within each micro-step's rollout)."
+        },
+    )
+    target_dist_beta: float = field(
+        default=-10.0,
+        metadata={
+            "help": "beta of the target sigma ∝ p·exp(beta·R). With rm_type='rlhf' (higher = better), beta < 0 "
+            "targets low-reward (bad) outputs (RePULSe; the paper uses -1 ... -30), beta > 0 the high-reward ones, "
+            "beta = 0 gives sigma = p."
+        },
+    )
+    rm_type: str = field(
+        default="rlhf",
+        metadata={
+            "help": "Raw score -> R for the target: 'rlhf' (min(r, reward_cap)), 'indicator_below_threshold' "
+            "(log(1[r < reward_threshold] + 1e-16); needs beta > 0) or 'toxicity_class_logprob' (-softplus(r)). "
+            "HarmlessnessConfig maps only the proposal side with it; the policy's reward always uses 'rlhf'."
+        },
+    )
+    reward_cap: float | None = field(
+        default=None, metadata={"help": "Upper cap of R for rm_type='rlhf' (None: none)."}
+    )
+    reward_threshold: float | None = field(
+        default=None, metadata={"help": "Threshold of rm_type='indicator_below_threshold'."}
+    )
+
+    def _validate(self) -> None:
+        super()._validate()
+        self._check_choice("loss_aggregation", AGGREGATIONS)
+        self._check_choice("rm_type", RM_TYPES)

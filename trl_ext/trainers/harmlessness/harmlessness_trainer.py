@@ -1,0 +1,532 @@
+"""`HarmlessnessTrainer`: RePULSe (Zhao et al., NeurIPS 2025) on `transformers.Trainer` — REINFORCE for a policy
+``p_θ`` plus a term that lowers the probability of its low-reward outputs, which a learned proposal ``q_ξ`` finds.
+
+How it sits on `Trainer`: the policy and the proposal are one module (:class:`HarmlessnessModels`) with one
+optimizer holding a parameter group per model. One `Trainer` optimizer step is one outer step (ALGORITHMS.md §6.3);
+each micro-step of it takes a fresh batch of prompts and
+
+1. samples ``N`` responses per prompt from ``p_θ`` (reference ``p_0``) and, when a proposal is trained, ``N`` from
+   ``q_ξ`` (reference: the current ``p_θ``), both in eval mode (:meth:`rollout`);
+2. turns the raw rewards into the policy's return and the target's ``log φ = β·R`` (:meth:`compute_rewards`);
+3. ``order="q_then_p"`` (default): back-propagates the proposal's twist loss (:meth:`compute_proposal_loss`), then
+   the policy's loss (:meth:`compute_policy_loss`) — the policy loss's inputs do not depend on ``q``'s update, so
+   this is exactly "q-step, then p-step"; ``order="p_then_q"``: the policy is updated first and the proposal's
+   reference log-probs are recomputed with the updated policy.
+
+Gradient clipping is per model: whenever both models have gradients, the trainer clips and steps one of them itself
+(the proposal with ``q_then_p``, the policy with ``p_then_q``) with ``max_grad_norm`` and leaves the other to
+`Trainer`, whose clipping then sees only that model's gradients. Extra proposal-only steps (``q_steps_per_p_step >
+1``) sample fresh proposal responses and are clipped and stepped the same way. Under DeepSpeed both losses are
+back-propagated together and the engine clips their joint norm (extra steps are refused there).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import textwrap
+import time
+from dataclasses import replace
+
+import torch
+from torch import nn
+from trl.trainer.base_trainer import _BaseTrainer
+
+from ...losses import LossOutput, get_loss_spec
+from ...losses.weights import ORIGINAL_INDICATOR_THRESHOLD, sigma_weights
+from ...ops import kl_estimate, masked_sum
+from ...rewards import log_target_weight
+from ...rollout.data import left_padded
+from ...rollout.generator import (
+    ReferencePolicy,
+    Rollout,
+    RolloutGenerator,
+    RolloutReward,
+    forward_response,
+    rollout_logprobs,
+)
+from ...rollout.negdata import NegativeDataWriter
+from ...rollout.vision import check_vision_models, concat_vision
+from ..common.metrics import PPOMetrics
+from ..common.online import OnlineTrainerMixin
+from ..proposal.twist_step import TwistLossOutput, twist_loss
+from .harmlessness_config import HarmlessnessConfig
+from .io import HarmlessnessTrainerIO
+from .models import HarmlessnessModels, build_harmlessness_models, parameter_groups
+from .steps import (
+    HarmlessnessRewards,
+    HarmlessnessRollouts,
+    group,
+    log_spaced_value,
+    reward_shapings,
+    stack_rollouts,
+    step_metrics,
+)
+
+__all__ = ["HarmlessnessTrainer"]
+
+logger = logging.getLogger(__name__)
+
+
+class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTrainer):
+    """Trainer for RePULSe and its baselines (REINFORCE, reward transforms, the ``p_θ``-proposal ablation).
+
+    Args:
+        args (`HarmlessnessConfig`): training arguments.
+        processing_class: the tokenizer shared by every model (it needs a pad token), or a vision-language policy's
+            processor.
+        model: the policy ``p_θ`` to train (a causal LM, a PEFT model, or a vision-language model from
+            `AutoModelForImageTextToText` trained on a dataset with images, see ``docs/vision.md``).
+        reward_model: a reward model sharing the tokenizer (scored on token ids), a ``(model, tokenizer)`` pair, a
+            `RewardFunction` (e.g. `trl_ext.rewards.LexicalReward`), a callable ``(prompts, completions) ->
+            scores`` or a reward-server URL. Higher = better.
+        train_dataset: prompts, in a ``prompt`` column (text or chat messages) or an ``input_ids`` column.
+        proposal_model: the proposal ``q_ξ`` (trained). `None`: a copy of the initial ``model``. Unused (and
+            ignored with a warning) with ``loss_type="reinforce"`` or ``use_base_as_proposal=True``.
+        ref_model: the frozen ``p_0`` of the KL penalty. `None`: a frozen copy of the initial ``model``, or under
+            PEFT the policy with its adapters disabled.
+        eval_dataset: prompts for :meth:`evaluate` (mean reward and fraction of bad samples of the policy).
+        data_collator: collates dataset rows into ``input_ids``/``attention_mask`` (default: left padding).
+        callbacks: extra `TrainerCallback`s.
+        optimizers: ``(optimizer, scheduler)``; default: `Trainer`'s optimizer (``optim``) with one parameter group
+            per model (``learning_rate`` for the policy, ``proposal_learning_rate`` for the proposal).
+        peft_config: a `peft.PeftConfig`: adapters are added to the policy and to the proposal (which gets its own
+            frozen base copy); ``p_0`` is then the policy with its adapters disabled.
+
+    Public hooks for research code: :meth:`rollout`, :meth:`compute_rewards`, :meth:`compute_proposal_loss`,
+    :meth:`compute_policy_loss`. Models: :attr:`policy`, :attr:`proposal`.
+    """
+
+    _tag_names = ["trl", "trl-ext", "repulse", "harmlessness"]
+    _name = "RePULSe"
+    _paper = {
+        "title": "Reducing the Probability of Undesirable Outputs in Language Models Using Probabilistic Inference",
+        "id": "2510.21184",
+        "citation": textwrap.dedent(
+            """\
+            @inproceedings{zhao2025reducing,
+                title     = {{Reducing the Probability of Undesirable Outputs in Language Models Using Probabilistic
+                              Inference}},
+                author    = {Stephen Zhao and Aidan Li and Rob Brekelmans and Roger Grosse},
+                booktitle = {Advances in Neural Information Processing Systems},
+                year      = 2025,
+                eprint    = {arXiv:2510.21184}
+            }"""
+        ),
+    }
+    # Each micro-step's loss is divided by the number of accumulation steps here (one prompt batch each).
+    loss_is_scaled_for_ga = True
+    _config_class = HarmlessnessConfig
+    _saved_models = "the policy and the proposal"
+
+    def __init__(
+        self,
+        args: HarmlessnessConfig,
+        processing_class,
+        model: nn.Module,
+        reward_model,
+        train_dataset,
+        proposal_model: nn.Module | None = None,
+        ref_model: nn.Module | None = None,
+        eval_dataset=None,
+        data_collator=None,
+        callbacks: list | None = None,
+        optimizers: tuple = (None, None),
+        peft_config=None,
+    ) -> None:
+        if isinstance(eval_dataset, dict):
+            raise ValueError(
+                "HarmlessnessTrainer evaluates one eval_dataset; pass a single prompt dataset (not a dict of them)."
+            )
+        self._begin_setup(args, processing_class, train_dataset, reward_model)
+        policy, proposal, reference = build_harmlessness_models(args, model, proposal_model, ref_model, peft_config)
+        if args.disable_dropout:
+            self._disable_dropout(policy, proposal, reference.model, reward_model)
+        self.ref_model, self.reward_model, self.reference = reference.model, reward_model, reference
+
+        train_dataset, eval_dataset = self._prepare_datasets(args, train_dataset, eval_dataset, model=policy)
+        check_vision_models(self.vision_spec, proposal_model=proposal, ref_model=reference.model)
+        self._init_trainer(
+            HarmlessnessModels(policy, proposal), policy, args, data_collator, train_dataset=train_dataset,
+            eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
+        )  # fmt: skip
+        if self.is_deepspeed_enabled and (args.order == "p_then_q" or args.q_steps_per_p_step > 1):
+            raise ValueError(
+                "order='p_then_q' and q_steps_per_p_step > 1 step one model inside a training step, which the "
+                "DeepSpeed engine cannot do; use order='q_then_p' with q_steps_per_p_step=1 under DeepSpeed."
+            )
+        self._params = {
+            name: [p for p in module.parameters() if p.requires_grad]
+            for name, module in (("policy", policy), ("proposal", proposal))
+            if module is not None
+        }
+        self._sampling = self._sampling_settings(args)
+        reward = RolloutReward(self.reward_model, self.tokenizer, uses_images=args.reward_uses_images)
+        self._generators = {"policy": self._generator(reward, self.reference)}
+        if proposal is not None:  # the proposal's "reference" is the current policy: its target's base
+            self._generators["proposal"] = self._generator(reward, ReferencePolicy(model=policy))
+        self._negdata = None
+        if args.save_negdata:
+            from accelerate.utils import gather_object
+
+            self._negdata = NegativeDataWriter(
+                args.save_negdata, args.save_negdata_threshold, lambda ids: self.tokenizer.decode(ids),
+                gather=gather_object if self.accelerator.num_processes > 1 else None,
+                is_main_process=self.accelerator.is_main_process,
+            )  # fmt: skip
+        self._loss = get_loss_spec(args.loss_type)
+        self._needs_neg_rewards = "neg_rewards" in inspect.signature(self._loss.fn).parameters
+        self._policy_shaping, self._target_shaping = reward_shapings(args)
+        self._metrics = PPOMetrics()
+        self._timings: dict[str, float] = {}
+        self._last_weights: torch.Tensor | None = None
+        self.beta, self.alpha = self._schedule(0)
+
+    # ------------------------------------------------------------------------------------------------ setup
+    def _generator(self, reward: RolloutReward, reference: ReferencePolicy) -> RolloutGenerator:
+        return self._rollout_generator(reward, reference, policy_of=lambda m: m.acting_model())
+
+    @property
+    def _wrapper(self) -> HarmlessnessModels:
+        return self.accelerator.unwrap_model(self.model)
+
+    @property
+    def policy(self) -> nn.Module:
+        """The policy ``p_θ`` (unwrapped)."""
+        return self._wrapper.policy
+
+    @property
+    def proposal(self) -> nn.Module | None:
+        """The proposal ``q_ξ`` (unwrapped), or ``None`` when no proposal is trained."""
+        return self._wrapper.proposal
+
+    def _schedule(self, update: int) -> tuple[float, float]:
+        """``(β, α)`` for policy update number ``update`` (0-based; q-only steps do not count — fix of B4)."""
+        args = self.args
+        total = max(int(getattr(self.state, "max_steps", 0) or 0), 1)
+        beta, alpha = args.target_dist_beta, args.alpha
+        if args.anneal_target_dist_beta is not None:
+            beta = log_spaced_value(args.anneal_target_dist_beta, args.target_dist_beta, update, total)
+        if args.start_alpha is not None:
+            alpha = log_spaced_value(args.start_alpha, args.alpha, update, total)
+        return beta, alpha
+
+    # ------------------------------------------------------------------------------------- Trainer plumbing
+    def create_optimizer(self, model=None):
+        """`Trainer`'s optimizer (``optim``, its ``weight_decay`` rule) with one parameter group per model and
+        weight-decay class: ``learning_rate`` for the policy, ``proposal_learning_rate`` for the proposal."""
+        if self.optimizer is not None:
+            return self.optimizer
+        wrapper = self._wrapper
+        optimizer_cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, wrapper)
+        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)) or any(
+            key in kwargs for key in ("params", "model", "optimizer_dict")
+        ):
+            raise ValueError(
+                f"optim={self.args.optim!r} builds its own parameter groups, but HarmlessnessTrainer needs one group "
+                "per model (policy and proposal learning rates); use a standard optimizer such as 'adamw_torch' or "
+                "'adamw_torch_fused', or pass optimizers=(optimizer, scheduler)."
+            )
+        rates = {"policy": self.args.learning_rate, "proposal": self.args.effective_proposal_learning_rate}
+        decay = set(self.get_decay_parameter_names(wrapper))
+        groups = parameter_groups(wrapper, decay, rates, self.args.weight_decay)
+        self.optimizer = optimizer_cls(groups, **kwargs)
+        return self.optimizer
+
+    # ------------------------------------------------------------------------------------- the training step
+    def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
+        """One micro-step on one batch of prompts: rollouts, rewards, the proposal's and the policy's losses and
+        backward passes (and, per the module docs, the optimizer step of one of the two models)."""
+        args = self.args
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        self.beta, self.alpha = self._schedule(self.state.global_step)
+        device = self.accelerator.device
+        prompt_ids, prompt_mask = left_padded(
+            inputs["input_ids"], inputs.get("attention_mask"), self.tokenizer.pad_token_id
+        )
+        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+        vision = {"vision": inputs["vision"].to(device)} if inputs.get("vision") is not None else {}
+        scale = 1.0 / self.current_gradient_accumulation_steps
+        self._timings = {"proposal_step": 0.0, "policy_step": 0.0}
+        for _ in range(args.q_steps_per_p_step - 1):
+            self._proposal_only_step(model, prompt_ids, prompt_mask, **vision)
+        rollouts = self.rollout(model, prompt_ids, prompt_mask, **vision)
+        rewards = self.compute_rewards(rollouts)
+        self._save_negative_data(rollouts)
+        q_out = None
+        if rollouts.proposal is None:
+            p_out, p_lp = self._policy_backward(model, rollouts, rewards, scale)
+        elif self.is_deepspeed_enabled:  # one backward: the engine steps both models and clips their joint norm
+            q_out = self._proposal_backward(model, rollouts.proposal, rewards.proposal_log_phi, scale, backward=False)
+            p_out, p_lp = self._policy_backward(model, rollouts, rewards, scale, extra_loss=q_out.loss.loss * scale)
+        elif args.order == "q_then_p":
+            q_out = self._proposal_backward(model, rollouts.proposal, rewards.proposal_log_phi, scale)
+            if self.accelerator.sync_gradients:
+                self._step_only("proposal")
+            p_out, p_lp = self._policy_backward(model, rollouts, rewards, scale)
+        else:  # p_then_q: update p, then train q towards the updated p (Trainer steps q after this)
+            p_out, p_lp = self._policy_backward(model, rollouts, rewards, scale)
+            self._step_only("policy")
+            rollouts.proposal.ref_logprobs = self._policy_logprobs(rollouts.proposal)
+            q_out = self._proposal_backward(model, rollouts.proposal, rewards.proposal_log_phi, scale)
+        self._record_step(rollouts, rewards, p_out, p_lp, q_out)
+        loss = p_out.loss.detach() + (q_out.loss.loss.detach() if q_out is not None else 0.0)
+        return loss * scale
+
+    def _proposal_only_step(self, model: nn.Module, prompt_ids, prompt_mask, vision=None) -> None:
+        """An extra proposal update on fresh proposal samples (``q_steps_per_p_step > 1``; no accumulation)."""
+        rollout = self._sample("proposal", model, prompt_ids, prompt_mask, vision)
+        log_phi = self._target_log_phi(rollout.scores)
+        if self._negdata is not None:
+            self._negdata.add(rollout, rollout.scores, step=self.state.global_step, source="proposal")
+        out = self._proposal_backward(model, rollout, log_phi, 1.0)
+        self._step_only("proposal")
+        self._metrics.add("loss/proposal_extra", out.loss.loss.detach())
+
+    def _proposal_backward(
+        self, model: nn.Module, rollout: Rollout, log_phi: torch.Tensor, scale: float, backward: bool = True
+    ) -> TwistLossOutput:
+        start = time.perf_counter()
+        out = self.compute_proposal_loss(model, rollout, log_phi)
+        if backward:
+            self._backward(out.loss.loss * scale)
+        self._timings["proposal_step"] += time.perf_counter() - start
+        return out
+
+    def _policy_backward(
+        self, model: nn.Module, rollouts: HarmlessnessRollouts, rewards: HarmlessnessRewards, scale: float,
+        extra_loss: torch.Tensor | None = None,
+    ) -> tuple[LossOutput, torch.Tensor]:  # fmt: skip
+        """Forward ``p_θ`` (with gradient, one pass over its own and the proposal's samples), the policy loss and
+        its backward pass. Returns the loss and the detached log-probs of the policy's samples."""
+        start = time.perf_counter()
+        parts = [rollouts.policy]
+        if rollouts.proposal is not None and self.args.uses_negative_samples:
+            parts.append(rollouts.proposal)
+        ids, mask, T = stack_rollouts(parts)
+        vision = concat_vision([part.vision for part in parts])
+        with self._wrapper.acting_as("policy"):
+            logprobs = forward_response(model, ids, mask, T, temperature=self.args.temperature, vision=vision).logprobs
+        B, T_p = rollouts.policy.batch_size, rollouts.policy.response_length
+        policy_lp = logprobs[:B, :T_p]
+        neg_lp = logprobs[B:, : parts[-1].response_length] if len(parts) > 1 else policy_lp
+        weight_lp = None
+        if self.args.uses_negative_samples:
+            weight_lp = neg_lp.detach() if self.args.disable_dropout else self._policy_logprobs(parts[-1])
+        out = self.compute_policy_loss(policy_lp, rollouts, rewards, neg_logprobs=neg_lp, weight_logprobs=weight_lp)
+        self._backward(out.loss * scale + (extra_loss if extra_loss is not None else 0.0))
+        self._timings["policy_step"] += time.perf_counter() - start
+        return out, policy_lp.detach()
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        # Losses are already divided by the accumulation steps here; DeepSpeed must not divide again.
+        kwargs = {"scale_wrt_gas": False} if self.is_deepspeed_enabled else {}
+        self.accelerator.backward(loss, **kwargs)
+
+    def _step_only(self, part: str) -> None:
+        """Clip (``max_grad_norm``) and step the parameters of one model; the other model's gradients are set
+        aside meanwhile and this model's are cleared afterwards."""
+        params = self._params[part]
+        others = [p for name, ps in self._params.items() if name != part for p in ps]
+        stashed = [(p, p.grad) for p in others if p.grad is not None]
+        for p, _ in stashed:
+            p.grad = None
+        try:
+            max_norm = self.args.max_grad_norm if self.args.max_grad_norm and self.args.max_grad_norm > 0 else None
+            norm = self.accelerator.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
+            if norm is not None:
+                self._metrics.add(f"grad_norm/{part}", norm)
+            self.optimizer.step()
+        finally:
+            for p in params:
+                p.grad = None
+            for p, grad in stashed:
+                p.grad = grad
+
+    @torch.no_grad()
+    def _policy_logprobs(self, rollout: Rollout) -> torch.Tensor:
+        """``log p_θ`` of the current policy on ``rollout``'s samples, no gradient, eval mode (chunked)."""
+        policy = self.policy
+        was_training = policy.training
+        policy.eval()
+        try:
+            with self.accelerator.autocast():
+                return self._logprobs_of(policy, rollout)
+        finally:
+            policy.train(was_training)
+
+    def _logprobs_of(self, model: nn.Module, rollout: Rollout) -> torch.Tensor:
+        return rollout_logprobs(model, rollout, self.args.local_rollout_forward_batch_size, self.args.temperature)
+
+    # ------------------------------------------------------------------------------------------ public hooks
+    def _sample(self, part: str, model: nn.Module, prompt_ids, prompt_mask, vision=None) -> Rollout:
+        with self._wrapper.acting_as(part):
+            return self._generators[part](model, prompt_ids, prompt_mask, vision=vision)
+
+    def rollout(self, model: nn.Module, prompt_ids, prompt_mask, vision=None) -> HarmlessnessRollouts:
+        """Sample ``num_samples_per_prompt`` responses per left-padded prompt from the policy (scored by the
+        reward, reference ``p_0``) and, when a proposal is trained, from the proposal (reference: the current
+        policy). Both sample in eval mode; ``vision``: the prompts' image inputs (passed only with images).
+        Override to change how experience is collected."""
+        policy = self._sample("policy", model, prompt_ids, prompt_mask, vision)
+        proposal = None
+        if self.proposal is not None:
+            proposal = self._sample("proposal", model, prompt_ids, prompt_mask, vision)
+        return HarmlessnessRollouts(policy=policy, proposal=proposal)
+
+    def _target_log_phi(self, raw: torch.Tensor) -> torch.Tensor:
+        """``log φ = β·R`` of raw rewards with the current β (transformed first with ``transform_both_sides``)."""
+        shaping = replace(self._target_shaping, beta=self.beta)
+        if self.args.transform_both_sides:
+            return log_target_weight(shaping.transformed(raw), self.beta).to(raw.device)
+        return shaping.log_phi(raw).to(raw.device)
+
+    def compute_rewards(self, rollouts: HarmlessnessRollouts) -> HarmlessnessRewards:
+        """Raw rewards → the policy's reward ``r'`` (``rlhf`` map, cap, optional transform), its return
+        ``r' − kl_coef·Σ_t kl_t`` (KL to ``p_0`` at sampling time, a constant) and the target's ``log φ = β·R``
+        of both sample sets (see :class:`HarmlessnessRewards`)."""
+        args, p = self.args, rollouts.policy
+        reward = self._policy_shaping.transformed(p.scores).to(p.scores.device)
+        kl = kl_estimate(p.logprobs, p.ref_logprobs, args.kl_estimator, p.response_mask)
+        returns = reward - args.kl_coef * masked_sum(kl, p.response_mask, dim=-1)
+        out = HarmlessnessRewards(reward, kl, returns, self._target_log_phi(p.scores))
+        q = rollouts.proposal
+        if q is not None:
+            out.proposal_log_phi = self._target_log_phi(q.scores)
+            if self._needs_neg_rewards:
+                out.proposal_reward = self._policy_shaping.transformed(q.scores).to(q.scores.device)
+                ref0 = self._reference_logprobs(q)
+                q_kl = kl_estimate(q.ref_logprobs, ref0, args.kl_estimator, q.response_mask)
+                out.proposal_return = out.proposal_reward - args.kl_coef * masked_sum(q_kl, q.response_mask, dim=-1)
+        return out
+
+    @torch.no_grad()
+    def _reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
+        """``log p_0`` on ``rollout``'s samples (for the proposal samples' returns of ``neg_reinforce``)."""
+        with self.reference.module(self.policy) as reference, self.accelerator.autocast():
+            return self._logprobs_of(reference, rollout)
+
+    def compute_proposal_loss(self, model: nn.Module, rollout: Rollout, log_phi: torch.Tensor) -> TwistLossOutput:
+        """The proposal's twist loss (``proposal_loss_type``, ``parameterization``) on its own samples, towards
+        ``σ ∝ p_θ·exp(log φ)``: ``rollout.ref_logprobs`` are the current policy's log-probs
+        (:func:`~trl_ext.trainers.proposal.twist_step.twist_loss`, run through ``model`` with the proposal acting)."""
+        args = self.args
+        batch = {
+            "input_ids": rollout.input_ids,
+            "attention_mask": rollout.attention_mask,
+            "response_mask": rollout.response_mask,
+            "old_logprobs": rollout.logprobs,
+            "ref_logprobs": rollout.ref_logprobs,
+            "log_phi": log_phi,
+        }
+        if rollout.vision is not None:
+            batch["vision"] = rollout.vision
+        with self._wrapper.acting_as("proposal"):
+            return twist_loss(
+                model, batch, num_samples_per_prompt=args.num_samples_per_prompt,
+                parameterization=args.parameterization, loss_type=args.proposal_loss_type,
+                temperature=args.temperature, aggregation=args.loss_aggregation, reference_model=self.policy,
+            )  # fmt: skip
+
+    def neg_weights(
+        self, rollouts: HarmlessnessRollouts, rewards: HarmlessnessRewards, weight_logprobs: torch.Tensor
+    ) -> torch.Tensor:
+        """``(P, N)`` σ-weights of the negative samples (`trl_ext.losses.weights.sigma_weights`, masked sums — the
+        fix of B1): ``softmax_N(Σ_t log p_θ(s̃_t) + log φ(s̃) − Σ_t log q_old(s̃_t))`` per prompt, or uniform, times
+        the indicator with ``indicator_mask``. ``weight_logprobs``: ``(B, T)`` ``log p_θ`` on those samples."""
+        args, N = self.args, self.args.num_samples_per_prompt
+        if args.use_base_as_proposal:
+            rollout, log_phi = rollouts.policy, rewards.policy_log_phi
+        else:
+            rollout, log_phi = rollouts.proposal, rewards.proposal_log_phi
+        if args.separate_reweighting_beta is not None:
+            log_phi = args.separate_reweighting_beta * rollout.scores.float()
+        return sigma_weights(
+            group(weight_logprobs, N), group(rollout.logprobs, N), group(log_phi, N), group(rollout.response_mask, N),
+            indicator_threshold=ORIGINAL_INDICATOR_THRESHOLD if args.indicator_mask else None,
+            uniform=args.uniform_reweight,
+        )  # fmt: skip
+
+    def compute_policy_loss(
+        self,
+        logprobs: torch.Tensor,
+        rollouts: HarmlessnessRollouts,
+        rewards: HarmlessnessRewards,
+        neg_logprobs: torch.Tensor | None = None,
+        weight_logprobs: torch.Tensor | None = None,
+    ) -> LossOutput:
+        """The policy loss (``loss_type`` from the registry) of one step.
+
+        ``logprobs`` ``(B, T)``: ``log p_θ`` with gradient on the policy's samples. For a loss with negative samples
+        also ``neg_logprobs`` (with gradient) and ``weight_logprobs`` (no gradient, for :meth:`neg_weights`) on the
+        proposal's samples (the policy's own with ``use_base_as_proposal``). REINFORCE losses get
+        ``(logprobs, returns, mask)`` grouped ``(P, N, ·)``; harmlessness losses are called by keyword (with
+        ``neg_rewards`` when they take it) and the current ``alpha``.
+        """
+        args, N, p = self.args, self.args.num_samples_per_prompt, rollouts.policy
+        loss = self._loss
+        common = {
+            "baseline": args.reinforce_baseline,
+            "baseline_value": args.reinforce_baseline_value,
+            "aggregation": args.loss_aggregation,
+        }
+        grouped = (group(logprobs, N), group(rewards.policy_return, N), group(p.response_mask, N))
+        if not args.uses_negative_samples:
+            return loss.call(*grouped, **common)
+        negative = p if args.use_base_as_proposal else rollouts.proposal
+        neg_rewards = rewards.policy_return if args.use_base_as_proposal else rewards.proposal_return
+        self._last_weights = self.neg_weights(rollouts, rewards, weight_logprobs)
+        kwargs = {
+            "logprobs": grouped[0],
+            "rewards": grouped[1],
+            "mask": grouped[2],
+            "neg_logprobs": group(neg_logprobs, N),
+            "neg_weights": self._last_weights,
+            "neg_mask": group(negative.response_mask, N),
+            "alpha": self.alpha,
+            "alpha_convention": args.alpha_convention,
+            **common,
+        }
+        if self._needs_neg_rewards and neg_rewards is not None:  # loss-specific: only for losses naming it
+            kwargs["neg_rewards"] = group(neg_rewards, N)
+        return loss.call(**kwargs)
+
+    # ----------------------------------------------------------------------------------------------- metrics
+    def _save_negative_data(self, rollouts: HarmlessnessRollouts) -> None:
+        if self._negdata is None:
+            return
+        step = self.state.global_step
+        self._negdata.add(rollouts.policy, rollouts.policy.scores, step=step, source="policy")
+        if rollouts.proposal is not None:
+            self._negdata.add(rollouts.proposal, rollouts.proposal.scores, step=step, source="proposal")
+
+    def _record_step(self, rollouts, rewards, p_out: LossOutput, p_lp: torch.Tensor, q_out) -> None:
+        """Per-step metrics (:func:`~trl_ext.trainers.harmlessness.steps.step_metrics`), averaged over processes
+        (``*/logprob_diff``: the largest), plus timings and the current ``beta``/``alpha``."""
+        weights = self._last_weights if self.args.uses_negative_samples else None
+        values = step_metrics(self.args, rollouts, rewards, p_out, p_lp, q_out, weights)
+        keys = list(values)
+        device = rollouts.policy.scores.device
+        stacked = torch.stack([torch.as_tensor(values[k], dtype=torch.float32, device=device) for k in keys])
+        stacked = self.accelerator.gather(stacked.unsqueeze(0)).float()
+        for key, column in zip(keys, stacked.T):
+            self._metrics.add(key, column.max() if key.endswith("logprob_diff") else column.mean())
+        self._metrics.add("timing/generation_policy", sum(rollouts.policy.timings.values()))
+        if rollouts.proposal is not None:
+            self._metrics.add("timing/generation_proposal", sum(rollouts.proposal.timings.values()))
+        for key, seconds in self._timings.items():
+            self._metrics.add(f"timing/{key}", seconds)
+        self._metrics.scalars.update(beta=self.beta, alpha=self.alpha)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add the metrics collected since the last log (and the proposal's learning rate) to `Trainer`'s logs."""
+        if not any(key.startswith("eval_") for key in logs):
+            logs.update(self._metrics.pop())
+            if self.optimizer is not None and "learning_rate" in logs and self.proposal is not None:
+                # `learning_rate` is the policy's, read before the scheduler's step; the proposal's follows it.
+                initial = {g.get("part"): g.get("initial_lr", g["lr"]) for g in self.optimizer.param_groups}
+                if initial.get("policy"):
+                    logs["proposal/learning_rate"] = logs["learning_rate"] * initial["proposal"] / initial["policy"]
+        super().log(logs, start_time)

@@ -1,0 +1,94 @@
+"""Saving, loading, resuming, pushing and evaluating for `HarmlessnessTrainer` (a mixin over `transformers.Trainer`).
+
+Checkpoint layout (see `trl_ext.trainers.common.checkpoint.save_policy_and_proposal`): the policy at the root (full
+weights in HF format, or the LoRA adapter under PEFT), the proposal in ``proposal/``, the tokenizer and the training
+arguments; `Trainer` adds the optimizer (both parameter groups), the scheduler, the RNG states and
+``trainer_state.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from ...ops import kl_estimate, masked_sum
+from ...rollout.data import left_padded
+from ..common import checkpoint as ckpt
+from ..common.online import forked_rng
+
+__all__ = ["HarmlessnessTrainerIO"]
+
+logger = logging.getLogger(__name__)
+
+
+class HarmlessnessTrainerIO:
+    """`Trainer` overrides of :class:`~trl_ext.trainers.harmlessness.harmlessness_trainer.HarmlessnessTrainer` that
+    deal with checkpoints, the Hub and evaluation (the plumbing shared with the other online trainers is in
+    :class:`~trl_ext.trainers.common.online.OnlineTrainerMixin`)."""
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        # Checkpoints keep the policy in HF format at the root and the proposal in proposal/ (see checkpoint.py);
+        # optimizer (both groups), scheduler, RNG and trainer state are still restored by `Trainer`.
+        wrapper = self.accelerator.unwrap_model(model if model is not None else self.model)
+        ckpt.load_policy_and_proposal(wrapper.policy, wrapper.proposal, resume_from_checkpoint)
+
+    def _write_models(self, output_dir: str, state_dict: dict | None) -> None:
+        """The policy at ``output_dir`` (HF format, or the adapter under PEFT) and the proposal in ``proposal/``
+        (left out while :meth:`push_to_hub` uploads without it)."""
+        proposal = self.proposal if getattr(self, "_save_proposal", True) else None
+        ckpt.save_policy_and_proposal(
+            self.policy, proposal, output_dir, state_dict=state_dict,
+            processing_class=self.processing_class, extra_files={"training_args.bin": self.args},
+        )  # fmt: skip
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, **kwargs):
+        """`Trainer.push_to_hub`: the policy (root of ``output_dir``) with its model card; the proposal in
+        ``proposal/`` only with ``push_proposal_to_hub=True``."""
+        proposal_dir = os.path.join(self.args.output_dir, ckpt.PROPOSAL_DIR)
+        if self.args.push_proposal_to_hub or self.proposal is None:
+            return super().push_to_hub(commit_message, blocking, **kwargs)
+        # Trainer uploads the whole output folder: keep the proposal out of it meanwhile ("_*" is never uploaded).
+        hidden = os.path.join(self.args.output_dir, f"_{ckpt.PROPOSAL_DIR}-not-pushed")
+        if os.path.isdir(proposal_dir) and self.args.should_save:
+            os.replace(proposal_dir, hidden)
+        self._save_proposal = False
+        try:
+            return super().push_to_hub(commit_message, True, **kwargs)
+        finally:
+            self._save_proposal = True
+            if os.path.isdir(hidden):
+                os.replace(hidden, proposal_dir)
+
+    # ---------------------------------------------------------------------------------------------- evaluate
+    @torch.no_grad()
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Sample ``num_samples_per_prompt`` responses per eval prompt from the policy and log the mean raw reward
+        (``{prefix}_reward``), the fraction below ``save_negdata_threshold`` (``{prefix}_p_bad``) and the KL to
+        ``p_0`` (``{prefix}_kl``). Runs under a forked RNG, so it does not change the training run."""
+        start = time.time()
+        dataset = self._eval_prompts(eval_dataset)
+        if dataset is None:
+            raise ValueError("evaluate() needs an eval_dataset (prompts), passed here or to the trainer.")
+        loader = self._eval_dataloader(dataset, collate_fn=self.data_collator)
+        scores, kls = [], []
+        with forked_rng():
+            for batch in loader:
+                ids, mask = left_padded(batch["input_ids"], batch.get("attention_mask"), self.tokenizer.pad_token_id)
+                rollout = self._sample("policy", self.model_wrapped, ids, mask, batch.get("vision"))
+                kl = kl_estimate(rollout.logprobs, rollout.ref_logprobs, self.args.kl_estimator, rollout.response_mask)
+                scores.append(rollout.scores.float())
+                kls.append(masked_sum(kl, rollout.response_mask, dim=-1))
+        scores = self.accelerator.gather(torch.cat(scores))
+        kls = self.accelerator.gather(torch.cat(kls))
+        metrics = {
+            f"{metric_key_prefix}_reward": float(scores.mean()),
+            f"{metric_key_prefix}_p_bad": float((scores < self.args.save_negdata_threshold).float().mean()),
+            f"{metric_key_prefix}_kl": float(kls.mean()),
+            f"{metric_key_prefix}_runtime": time.time() - start,
+        }
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics

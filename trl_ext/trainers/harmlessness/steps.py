@@ -1,0 +1,211 @@
+"""Pieces of one RePULSe step that are not the trainer's orchestration: the data it passes around, the
+log-spaced schedules, the policy-side and target-side reward shapings, stacking two rollouts into one forward pass,
+and the per-step metrics.
+
+Everything here is a plain function or dataclass on tensors (no model, no `Trainer`), so it is easy to test.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ...losses.weights import effective_sample_size
+from ...ops import kl_estimate, masked_sum
+from ...rewards import RewardShaping
+from ...rollout.generator import Rollout
+
+__all__ = [
+    "HarmlessnessRewards",
+    "HarmlessnessRollouts",
+    "group",
+    "log_spaced_value",
+    "reward_shapings",
+    "sample_metrics",
+    "stack_rollouts",
+    "step_metrics",
+]
+
+
+@dataclass
+class HarmlessnessRollouts:
+    """The samples of one step, for the same prompts: the policy's and (when a proposal is trained) the proposal's.
+
+    ``policy.ref_logprobs`` are ``log p_0``; ``proposal.ref_logprobs`` are ``log p_θ`` of the current policy (the
+    proposal's target base), refreshed after the policy's update with ``order="p_then_q"``.
+    """
+
+    policy: Rollout
+    proposal: Rollout | None = None
+
+
+@dataclass
+class HarmlessnessRewards:
+    """Rewards of one step (:meth:`HarmlessnessTrainer.compute_rewards`). ``(B,)`` per sample unless stated.
+
+    Policy side (reward units, the original's "p-maker": ``rm_type="rlhf"``, the cap and the optional transform):
+    ``policy_reward`` ``r'``, ``policy_kl`` ``(B, T)`` the per-token KL estimate against ``p_0`` at sampling time,
+    ``policy_return`` ``r' − λ·Σ_t kl_t`` (a constant for the loss). Target side (``rm_type`` map, ``β`` of this
+    step): ``policy_log_phi`` and ``proposal_log_phi`` ``log φ = β·R`` of the raw reward (transformed first with
+    ``transform_both_sides``). ``proposal_return``: the proposal samples' return in reward units (``r'`` minus the
+    KL of ``p_θ`` to ``p_0`` on them), only for losses that take ``neg_rewards``.
+    """
+
+    policy_reward: torch.Tensor
+    policy_kl: torch.Tensor
+    policy_return: torch.Tensor
+    policy_log_phi: torch.Tensor
+    proposal_log_phi: torch.Tensor | None = None
+    proposal_reward: torch.Tensor | None = None
+    proposal_return: torch.Tensor | None = None
+
+
+def log_spaced_value(start: float, end: float, index: int, total: int) -> float:
+    """Value ``index`` of ``total`` log-spaced values from ``start`` to ``end`` (same sign, non-zero).
+
+    ``v_k = sign·exp(log|start| + (log|end| − log|start|)·k/(total − 1))`` for ``k = 0 … total − 1``; ``k`` is
+    clamped to that range (``total = 1`` gives ``end``). Used for the ``β`` and ``α`` schedules, indexed by the
+    number of policy updates done.
+    """
+    if start == 0 or end == 0 or (start > 0) != (end > 0):
+        raise ValueError(f"A log-spaced schedule needs two non-zero values of the same sign; got {start} and {end}.")
+    if total <= 1:
+        return float(end)
+    k = min(max(int(index), 0), total - 1)
+    sign = 1.0 if end > 0 else -1.0
+    lo, hi = math.log(abs(start)), math.log(abs(end))
+    return sign * math.exp(lo + (hi - lo) * k / (total - 1))
+
+
+def group(x: torch.Tensor, num_samples_per_prompt: int) -> torch.Tensor:
+    """``(B, ...)`` rows grouped prompt by prompt → ``(P, N, ...)``."""
+    return x.reshape(-1, num_samples_per_prompt, *x.shape[1:])
+
+
+def stack_rollouts(rollouts: list[Rollout]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``prompt + response`` rows of several rollouts in one layout, for a single forward pass.
+
+    Prompts are left-aligned to the widest prompt (left padding) and responses right-padded to the longest response
+    ``T``; returns ``(input_ids, attention_mask, T)``. The response tokens of rollout ``k`` are the first
+    ``rollouts[k].response_length`` of the last ``T`` columns of its rows.
+    """
+    width_p = max(r.prompt_ids.shape[1] for r in rollouts)
+    width_t = max(r.response_length for r in rollouts)
+    ids_parts, mask_parts = [], []
+    for r in rollouts:
+        rows, P, T = r.batch_size, r.prompt_ids.shape[1], r.response_length
+        ids = r.prompt_ids.new_zeros(rows, width_p + width_t)
+        mask = r.prompt_mask.new_zeros(rows, width_p + width_t)
+        ids[:, width_p - P : width_p] = r.prompt_ids
+        mask[:, width_p - P : width_p] = r.prompt_mask
+        ids[:, width_p : width_p + T] = r.response_ids
+        mask[:, width_p : width_p + T] = r.response_mask
+        ids_parts.append(ids)
+        mask_parts.append(mask)
+    return torch.cat(ids_parts), torch.cat(mask_parts), width_t
+
+
+def sample_metrics(
+    rollout: Rollout,
+    *,
+    log_phi: torch.Tensor,
+    kl: torch.Tensor,
+    reward: torch.Tensor,
+    kl_coef: float,
+    weights: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """Scalar summaries of one model's samples (means over the samples).
+
+    With ``log π`` the sampler's log-probs (``rollout.logprobs``) and ``log π_ref`` its reference's
+    (``rollout.ref_logprobs``), summed over each response:
+
+    - ``reward``: the mean of ``reward``; ``return``: of ``reward − kl_coef·Σ_t kl_t``; ``kl``: of ``Σ_t kl_t``;
+    - ``f_q``: of ``log π_ref(s) + log φ(s) − log π(s)`` (the ELBO of ``log Z_σ``: its mean is ≤ ``log Z_σ``);
+    - ``entropy``: of ``−log π(s)``; ``response_length``: of the number of response tokens;
+    - ``ess``: the mean over prompts of the effective sample size of ``weights`` ``(P, N)``, when given.
+    """
+    mask = rollout.response_mask
+    logp = masked_sum(rollout.logprobs, mask, dim=-1)
+    ref = masked_sum(rollout.ref_logprobs, mask, dim=-1)
+    kl_sum = masked_sum(kl, mask, dim=-1)
+    out = {
+        "reward": reward.float().mean(),
+        "return": (reward.float() - kl_coef * kl_sum).mean(),
+        "kl": kl_sum.mean(),
+        "f_q": (ref + log_phi.float() - logp).mean(),
+        "entropy": (-logp).mean(),
+        "response_length": mask.float().sum(-1).mean(),
+    }
+    if weights is not None:
+        out["ess"] = effective_sample_size(weights).mean()
+    return out
+
+
+def reward_shapings(args) -> tuple[RewardShaping, RewardShaping]:
+    """The policy side's reward shaping (``rlhf`` map, cap, optional transform; β ≡ 1) and the target side's
+    (``rm_type`` map; its β is replaced by the current one each step)."""
+    transform = {}
+    if args.reward_transform is not None:
+        transform = {
+            "transform": args.reward_transform,
+            "transform_alpha": args.alpha if args.reward_transform_alpha is None else args.reward_transform_alpha,
+            "transform_threshold": args.reward_transform_threshold,
+        }
+        if args.reward_transform == "minus_alpha_exp_beta_r":
+            beta = args.reward_transform_beta
+            transform["transform_beta"] = args.target_dist_beta if beta is None else beta
+    policy_side = RewardShaping(rm_type="rlhf", reward_cap=args.reward_cap, beta=1.0, **transform)
+    start_beta = args.target_dist_beta if args.anneal_target_dist_beta is None else args.anneal_target_dist_beta
+    target_side = RewardShaping(
+        rm_type=args.rm_type,
+        reward_cap=args.reward_cap if args.rm_type == "rlhf" else None,
+        threshold=args.reward_threshold if args.rm_type == "indicator_below_threshold" else None,
+        beta=start_beta,
+        **(transform if args.transform_both_sides else {}),
+    )
+    return policy_side, target_side
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    diff = (a.float() - b.float()).abs()
+    return torch.where(mask != 0, diff, torch.zeros_like(diff)).max()
+
+
+def step_metrics(
+    args, rollouts: HarmlessnessRollouts, rewards: HarmlessnessRewards, p_out, p_lp, q_out, weights
+) -> dict[str, torch.Tensor]:
+    """The metrics of one step: ``base/*`` (:func:`sample_metrics` of the policy's samples, KL against ``p_0``)
+    with ``base/untransformed_reward`` (raw) and ``base/logprob_diff``; ``proposal/*`` of the proposal's samples
+    (raw reward, KL against the current policy, ``ess`` of the σ-weights; with ``use_base_as_proposal`` only
+    ``proposal/ess``); ``loss/policy``, ``loss/neg``, ``loss/proposal``; ``p_bad`` = fraction of the policy's
+    samples with raw reward below ``save_negdata_threshold``.
+
+    ``p_out``: the policy's `LossOutput`; ``p_lp``: its detached log-probs on its samples; ``q_out``: the
+    proposal's `TwistLossOutput` or ``None``; ``weights``: the ``(P, N)`` σ-weights or ``None``.
+    ``*/logprob_diff`` is the largest ``|log-prob at training − log-prob at sampling|`` (~0 before an update).
+    """
+    p = rollouts.policy
+    base = sample_metrics(
+        p, log_phi=rewards.policy_log_phi, kl=rewards.policy_kl, reward=rewards.policy_reward, kl_coef=args.kl_coef
+    )
+    values = {f"base/{k}": v for k, v in base.items()}
+    values["base/untransformed_reward"] = p.scores.float().mean()
+    values["base/logprob_diff"] = _max_abs_diff(p_lp, p.logprobs, p.response_mask)
+    values["p_bad"] = (p.scores.float() < args.save_negdata_threshold).float().mean()
+    values["loss/policy"] = p_out.loss.detach()
+    if "neg_loss" in p_out.metrics:
+        values["loss/neg"] = p_out.metrics["neg_loss"]
+    q = rollouts.proposal
+    if q is not None:
+        q_kl = kl_estimate(q.logprobs, q.ref_logprobs, args.kl_estimator, q.response_mask)
+        proposal = sample_metrics(
+            q, log_phi=rewards.proposal_log_phi, kl=q_kl, reward=q.scores, kl_coef=args.kl_coef, weights=weights
+        )
+        values.update({f"proposal/{k}": v for k, v in proposal.items()})
+        values["proposal/logprob_diff"] = _max_abs_diff(q_out.q_logprobs, q.logprobs, q.response_mask)
+        values["loss/proposal"] = q_out.loss.loss.detach()
+    elif weights is not None:
+        values["proposal/ess"] = effective_sample_size(weights).mean()
+    return values

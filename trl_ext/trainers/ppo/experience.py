@@ -1,0 +1,130 @@
+"""A scored rollout ready for optimisation: advantages, returns and the micro-step schedule of the PPO epochs.
+
+The schedule fixes, for every optimisation micro-step of a rollout, which rows it trains on: for each of the
+``num_ppo_epochs`` epochs a fresh permutation of the rollout (seeded, so a resumed run reproduces it), cut into
+``num_mini_batches`` minibatches (one optimizer step each), each cut into ``gradient_accumulation_steps``
+micro-batches. Each micro-step also gets the ``normalizer`` of its minibatch (the sequence or token count the loss is
+divided by, see :func:`trl_ext.losses.aggregate`), so that the accumulated micro-batch losses equal the minibatch's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...rollout.generator import Rollout
+
+__all__ = ["Experience", "minibatch_counts", "padded_lengths", "ppo_schedule", "schedule_position"]
+
+
+def ppo_schedule(
+    batch_size: int,
+    num_ppo_epochs: int,
+    num_mini_batches: int,
+    gradient_accumulation_steps: int,
+    seed: int,
+    lengths: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """Row indices of every micro-step: ``num_ppo_epochs × num_mini_batches × gradient_accumulation_steps`` index
+    tensors; epoch ``e`` uses the permutation of a generator seeded with ``seed + e``.
+
+    With ``lengths`` (``(batch_size,)`` row lengths), the rows of each minibatch are ordered by length (stable sort of
+    the shuffled rows) before being cut into micro-batches: rows of similar length share a micro-batch, whose
+    all-padding columns :meth:`Experience.micro_batch` then drops. Minibatches themselves are unchanged.
+    """
+    per_minibatch = batch_size // num_mini_batches
+    lengths = None if lengths is None else lengths.detach().cpu()
+    out = []
+    for epoch in range(num_ppo_epochs):
+        order = torch.randperm(batch_size, generator=torch.Generator().manual_seed((seed + epoch) % 2**63))
+        for minibatch in order.split(per_minibatch):
+            if lengths is not None:
+                minibatch = minibatch[torch.sort(lengths[minibatch], stable=True).indices]
+            out.extend(minibatch.tensor_split(gradient_accumulation_steps))
+    return out
+
+
+def padded_lengths(prompt_mask: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """A row's width once its micro-batch is trimmed, as a sort key: its prompt length (left padding goes) plus its
+    response length (right padding goes)."""
+    return prompt_mask.sum(1) + response_mask.sum(1)
+
+
+def schedule_position(position: int, num_mini_batches: int, gradient_accumulation_steps: int) -> tuple[int, int, int]:
+    """``(epoch, minibatch, micro-batch)`` of micro-step ``position`` in a rollout's schedule."""
+    epoch, rest = divmod(position, num_mini_batches * gradient_accumulation_steps)
+    minibatch, micro = divmod(rest, gradient_accumulation_steps)
+    return epoch, minibatch, micro
+
+
+def minibatch_counts(
+    schedule: list[torch.Tensor], response_mask: torch.Tensor, aggregation: str, gradient_accumulation_steps: int
+) -> torch.Tensor:
+    """Per minibatch of ``schedule``: its number of response tokens (``token-mean``) or of sequences (``seq-*``)."""
+    groups = [
+        torch.cat(schedule[i : i + gradient_accumulation_steps])
+        for i in range(0, len(schedule), gradient_accumulation_steps)
+    ]
+    if aggregation == "token-mean":
+        return torch.stack([response_mask[g.to(response_mask.device)].sum() for g in groups]).float()
+    return torch.tensor([float(len(g)) for g in groups], device=response_mask.device)
+
+
+@dataclass
+class Experience:
+    """A rollout with its advantages/returns, its schedule and the normalizer of each micro-step."""
+
+    rollout: Rollout
+    advantages: torch.Tensor
+    returns: torch.Tensor | None
+    schedule: list[torch.Tensor]
+    normalizers: list[float]
+
+    def micro_batch(self, position: int) -> dict:
+        """The inputs of micro-step ``position``: ``input_ids``, ``attention_mask``, ``response_mask``,
+        ``old_logprobs``, ``advantages``, ``normalizer`` and, with a critic, ``returns`` and ``old_values``; with
+        images, ``vision`` (the rows' image inputs)."""
+        idx = self.schedule[position].to(self.advantages.device)
+        r = self.rollout
+        # Columns that are padding in every row of the micro-batch (left of the longest prompt, right of the longest
+        # response) are dropped: they change no result (positions come from the mask) and cost compute.
+        prompt_mask, response_mask = r.prompt_mask[idx], r.response_mask[idx]
+        first = int(prompt_mask.any(0).int().argmax()) if prompt_mask.any() else 0
+        used = response_mask.any(0)
+        width = int(used.nonzero().max()) + 1 if used.any() else 1
+        batch = {
+            "input_ids": torch.cat([r.prompt_ids[idx][:, first:], r.response_ids[idx][:, :width]], dim=1),
+            "attention_mask": torch.cat([prompt_mask[:, first:], response_mask[:, :width]], dim=1),
+            "response_mask": response_mask[:, :width],
+            "old_logprobs": r.logprobs[idx][:, :width],
+            "advantages": self.advantages[idx][:, :width],
+            "normalizer": self.normalizers[position],
+        }
+        if self.returns is not None:
+            batch["returns"] = self.returns[idx][:, :width]
+        if r.values is not None:
+            batch["old_values"] = r.values[idx][:, :width]
+        if r.vision is not None:  # image placeholders are real tokens: trimming never cuts them
+            batch["vision"] = r.vision[idx]
+        return batch
+
+    def state_dict(self) -> dict:
+        """CPU tensors and numbers only (``torch.load(..., weights_only=True)`` reads it back)."""
+        return {
+            "rollout": self.rollout.state_dict(),
+            "advantages": self.advantages.cpu(),
+            "returns": None if self.returns is None else self.returns.cpu(),
+            "schedule": [s.cpu() for s in self.schedule],
+            "normalizers": list(self.normalizers),
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict, device: torch.device | str) -> Experience:
+        return cls(
+            rollout=Rollout.from_state_dict(state["rollout"]).to(device),
+            advantages=state["advantages"].to(device),
+            returns=None if state["returns"] is None else state["returns"].to(device),
+            schedule=list(state["schedule"]),
+            normalizers=list(state["normalizers"]),
+        )

@@ -1,0 +1,177 @@
+"""`PolicyAndValueModel`: the one module `transformers.Trainer` trains in PPO — the policy and its critic.
+
+Holding both in one ``nn.Module`` gives one optimizer and one scheduler over both, one DDP/DeepSpeed wrapper and one
+place where checkpoints come from. The critic is either a separate value model (``value_model``, a
+``*ForSequenceClassification`` with one label, or any model :func:`~trl_ext.models.get_token_values` reads) or the
+value head of a shared actor-critic policy (:class:`~trl_ext.models.AutoModelForCausalLMWithValueHead`, possibly
+inside a PEFT model), or absent (REINFORCE-style actor losses).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.utils import ModelOutput
+
+from ...models.critic import get_token_values
+from ...models.lora import is_peft_model, reference_is_base_with_adapters_disabled
+from ...models.value_head import AutoModelForCausalLMWithValueHead, prepare_value_head_for_peft
+from ...ops.sequences import position_ids_from_attention_mask
+from ...rollout.generator import ReferencePolicy, causal_lm_outputs, supports_logits_to_keep
+from ..common.model_parts import ModelParts, add_adapters, shares_parameters
+
+__all__ = ["PolicyAndValueModel", "PolicyValueOutput", "build_ppo_models", "has_value_head"]
+
+logger = logging.getLogger(__name__)
+
+
+def has_value_head(model: nn.Module) -> bool:
+    """True when ``model`` (possibly a PEFT model) is an :class:`AutoModelForCausalLMWithValueHead`."""
+    inner = model.get_base_model() if is_peft_model(model) else model
+    return isinstance(inner, AutoModelForCausalLMWithValueHead)
+
+
+@dataclass
+class PolicyValueOutput(ModelOutput):
+    """The policy's ``logits`` (the last ``logits_to_keep`` positions when given) and the critic's ``value``."""
+
+    logits: torch.Tensor | None = None
+    value: torch.Tensor | None = None
+
+
+class PolicyAndValueModel(ModelParts):
+    """The policy and its critic as one module.
+
+    Args:
+        policy: the causal LM being trained (plain, value-head, PEFT or modulated).
+        value_model: a separate critic, or ``None`` (shared value head on the policy, or no critic).
+        use_policy_value_head: read values from the policy's value head (``shared_actor_critic``).
+    """
+
+    def __init__(self, policy: nn.Module, value_model: nn.Module | None = None, use_policy_value_head: bool = False):
+        super().__init__()
+        if use_policy_value_head and value_model is not None:
+            raise ValueError("Pass either a separate value model or use the policy's value head, not both.")
+        if use_policy_value_head and not has_value_head(policy):
+            raise ValueError("use_policy_value_head=True needs an AutoModelForCausalLMWithValueHead policy.")
+        self.policy = policy
+        self.value_model = value_model
+        self.use_policy_value_head = use_policy_value_head
+        self.supports_logits_to_keep = supports_logits_to_keep(policy)
+
+    def parts(self) -> list[nn.Module]:
+        return [m for m in (self.policy, self.value_model) if m is not None]
+
+    @property
+    def has_critic(self) -> bool:
+        return self.value_model is not None or self.use_policy_value_head
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        use_cache: bool = False,
+        logits_to_keep: int = 0,
+        return_values: bool = True,
+        **model_inputs,
+    ) -> PolicyValueOutput:
+        """Policy logits and, with a critic and ``return_values``, values ``(B, T)`` for every position.
+        ``model_inputs`` (e.g. a vision-language policy's ``pixel_values``) go to the policy."""
+        kwargs = self._causal_lm_kwargs(input_ids, attention_mask, position_ids, use_cache, logits_to_keep)
+        kwargs.update(model_inputs)
+        want_values = return_values and self.has_critic
+        if self.use_policy_value_head:
+            kwargs["return_values"] = want_values
+        out = self.policy(**kwargs)
+        logits = self._kept_logits(out.logits, logits_to_keep)
+        value = None
+        if want_values:
+            if self.use_policy_value_head:
+                value = out.value
+            else:
+                value = get_token_values(self.value_model, input_ids, attention_mask)
+        return PolicyValueOutput(logits=logits, value=value)
+
+    def critic_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, vision=None):
+        """``(B, T)`` fp32 values ``V_t`` of the state before each of the last ``T = response_length`` tokens, zero
+        on padding — without running the policy when the critic is a separate model (rollout scoring, whose
+        sampling-time log-probs come from ``generate``). ``vision``: the rows' image inputs (value head only)."""
+        if not self.has_critic:
+            raise ValueError("This PolicyAndValueModel has no critic to read values from.")
+        T = response_length
+        if self.value_model is not None:
+            value = get_token_values(self.value_model, input_ids, attention_mask)
+        elif vision is not None:  # the model's own positions (see `causal_lm_outputs`)
+            value = causal_lm_outputs(self, input_ids, attention_mask, T + 1, vision=vision).value
+        else:
+            position_ids = position_ids_from_attention_mask(attention_mask)
+            value = self(input_ids, attention_mask, position_ids=position_ids, logits_to_keep=T + 1).value
+        value = value[:, -(T + 1) : -1].float()
+        return torch.where(attention_mask[:, -T:] != 0, value, torch.zeros_like(value))
+
+
+def build_ppo_models(args, model: nn.Module, ref_model: nn.Module | None, value_model: nn.Module | None, peft_config):
+    """Check PPO's models and return ``(policy, value_model, reference)``.
+
+    The policy gets a fresh value head under ``shared_actor_critic`` (a plain causal LM is wrapped in
+    :class:`AutoModelForCausalLMWithValueHead`) and PEFT adapters with ``peft_config`` (the value head is then trained
+    fully, saved with the adapter). A value head the loss does not use is frozen. The reference is ``ref_model``
+    (frozen), else the LoRA base with adapters disabled (or ``args.ref_adapter_name``) under PEFT, else a frozen copy
+    of the initial policy; which one is logged.
+    """
+    policy = model
+    if args.uses_critic and args.shared_actor_critic:
+        if value_model is not None:
+            raise ValueError(
+                "shared_actor_critic=True uses the policy's own value head: pass value_model=None, or set "
+                "shared_actor_critic=False to train the separate value model."
+            )
+        if not has_value_head(policy):
+            if is_peft_model(policy):
+                raise ValueError(
+                    "shared_actor_critic=True with a PEFT policy without a value head: pass the base model and "
+                    "peft_config= instead, or wrap the base with AutoModelForCausalLMWithValueHead first."
+                )
+            policy = AutoModelForCausalLMWithValueHead.from_model(policy)
+            logger.info("shared_actor_critic: the policy got a fresh value head (AutoModelForCausalLMWithValueHead).")
+    elif args.uses_critic and value_model is None:
+        raise ValueError(
+            f"actor_loss_type={args.actor_loss_type!r} needs a critic: pass value_model= (e.g. "
+            "AutoModelForSequenceClassification.from_pretrained(path, num_labels=1) or "
+            "trl_ext.load_critic(path)), or set shared_actor_critic=True to put a value head on the policy."
+        )
+    elif not args.uses_critic and value_model is not None:
+        logger.warning("actor_loss_type=%r uses no critic: value_model is ignored.", args.actor_loss_type)
+        value_model = None
+    if has_value_head(policy) and not (args.uses_critic and args.shared_actor_critic):
+        inner = policy.get_base_model() if is_peft_model(policy) else policy
+        inner.v_head.requires_grad_(False)  # no loss reaches it; frozen so DDP does not wait for its gradient
+        logger.info("The policy's value head is not used (shared_actor_critic=False): frozen.")
+    if peft_config is not None:
+        prepare = None
+        if has_value_head(policy) and args.shared_actor_critic:
+            prepare = functools.partial(prepare_value_head_for_peft, policy)
+        policy = add_adapters(policy, peft_config, prepare=prepare)
+    if ref_model is not None and shares_parameters(ref_model, policy):
+        raise ValueError("ref_model shares parameters with model: the reference must be a separate frozen copy.")
+    if args.ref_adapter_name is not None and not is_peft_model(policy):
+        raise ValueError("ref_adapter_name is set but the policy has no PEFT adapters.")
+    if ref_model is None and is_peft_model(policy):
+        reference_is_base_with_adapters_disabled(policy, None)
+        reference = ReferencePolicy(
+            adapter_name=args.ref_adapter_name, policy_adapter=args.model_adapter_name or "default"
+        )
+    else:
+        if ref_model is None:
+            ref_model = copy.deepcopy(policy)
+            logger.info("No ref_model given: the reference is a frozen copy of the initial policy.")
+        ref_model.requires_grad_(False).eval()
+        reference = ReferencePolicy(ref_model)
+    logger.info("PPO reference policy: %s.", reference.describe())
+    return policy, value_model, reference

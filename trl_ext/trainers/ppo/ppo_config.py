@@ -1,0 +1,450 @@
+"""`PPOConfig`: TRL 1.12's PPO configuration (every field name, default and meaning) plus trl_ext's options."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Literal
+
+from transformers import TrainingArguments
+
+from ...losses import AGGREGATIONS, available_losses, get_loss_spec
+from ...losses.reinforce import BASELINES
+from ...ops.kl import KL_ESTIMATORS
+from ..common.online_config import OnlineConfig
+
+__all__ = ["PPOConfig", "ACTOR_LOSS_KINDS", "REINFORCE_BASELINES"]
+
+#: Loss kinds `actor_loss_type` may name: a clipped-surrogate style loss or a score-function (REINFORCE) loss.
+ACTOR_LOSS_KINDS: tuple[str, ...] = ("policy", "reinforce")
+#: Baselines of `actor_loss_type="reinforce"` (see `trl_ext.losses.reinforce.compute_baseline`).
+REINFORCE_BASELINES: tuple[str, ...] = ("none", "rloo", "hardcoded")
+
+
+@dataclass
+class PPOConfig(OnlineConfig):
+    r"""
+    Configuration class for [`~trl_ext.PPOTrainer`].
+
+    It keeps every parameter of TRL 1.12's `PPOConfig` with the same name, default and meaning, so a script written
+    for TRL 1.12 runs with only its import changed, and adds the options listed under *trl_ext additions*. For the
+    generic training arguments see [`~transformers.TrainingArguments`].
+
+    Parameters:
+        > Parameters that control the models
+
+        exp_name (`str`, *optional*, defaults to `"ppo"`):
+            Name of the experiment (kept for scripts written for older TRL versions; not used for training).
+        sft_model_path (`str`, *optional*, defaults to `"EleutherAI/pythia-160m"`):
+            Path to the SFT model (read by launch scripts; the trainer takes model instances).
+        reward_model_path (`str`, *optional*, defaults to `"EleutherAI/pythia-160m"`):
+            Path to the reward model (read by launch scripts).
+        model_adapter_name (`str`, *optional*):
+            Name of the train target PEFT adapter, when using LoRA with multiple adapters.
+        ref_adapter_name (`str`, *optional*):
+            Name of the reference PEFT adapter, when using LoRA with multiple adapters.
+        shared_actor_critic (`bool`, *optional*, defaults to `False`):
+            trl_ext addition. Use a scalar value head on the policy's own trunk
+            ([`~trl_ext.AutoModelForCausalLMWithValueHead`]) instead of a separate value model. See the field's help
+            for the trade-off.
+
+        > Parameters that control the data
+
+        dataset_num_proc (`int`, *optional*):
+            Number of processes to use for processing the dataset.
+
+        > Parameters that control generation
+
+        response_length (`int`, *optional*, defaults to `53`):
+            Length of the response (maximum number of new tokens).
+        stop_token (`str`, *optional*):
+            `"eos"` stops responses at the tokenizer's `eos_token`; `None` applies no stop token unless
+            `stop_token_id` is set. Mutually exclusive with `stop_token_id`.
+        stop_token_id (`int`, *optional*):
+            Id of the stop token. Mutually exclusive with `stop_token`.
+        temperature (`float`, *optional*, defaults to `0.7`):
+            Sampling temperature. Log-probabilities are computed at the same temperature.
+        top_k (`int`, *optional*):
+            trl_ext addition. Top-k sampling (`None` or `0`: off). Biases the KL penalty and the PPO ratio (a warning
+            is issued).
+        top_p (`float`, *optional*, defaults to `1.0`):
+            trl_ext addition. Nucleus sampling (`1.0`: off). Same caveat as `top_k`.
+        num_samples_per_prompt (`int`, *optional*, defaults to `1`):
+            trl_ext addition. Responses sampled per prompt (needed by the `rloo` baseline).
+        local_rollout_forward_batch_size (`int`, *optional*, defaults to `64`):
+            Per rank no grad forward pass in the rollout phase.
+        ds3_gather_for_generation (`bool`, *optional*, defaults to `True`):
+            Under DeepSpeed ZeRO-3, gather the policy weights once per generation call (fast); `False` generates with
+            sharded weights (slow, but fits models larger than one GPU).
+
+        > Parameters that control the rewards
+
+        missing_eos_penalty (`float`, *optional*):
+            Subtracted from the score of responses that do not contain the stop (EOS) token. Must be >= 0.
+        reward_uses_images (`bool`, *optional*, defaults to `False`):
+            Pass the prompts' images (PIL) to the reward function as `images=` (vision-language policies; the
+            reward must then be a callable or a `RewardFunction`). `False`: rewards score the text only.
+        kl_coef (`float`, *optional*, defaults to `0.05`):
+            KL coefficient.
+        kl_estimator (`str`, *optional*, defaults to `"k1"`):
+            Per-token KL estimator: `"k1"`, `"k2"` (trl_ext addition) or `"k3"`.
+        whiten_rewards (`bool`, *optional*, defaults to `False`):
+            Whether to whiten the rewards.
+        reward_clip (`float`, *optional*):
+            trl_ext addition. Clip scores to `[-reward_clip, reward_clip]` before they enter the rewards.
+
+        > Parameters that control the optimisation
+
+        learning_rate (`float`, *optional*, defaults to `3e-6`):
+            Initial learning rate (the optimizer and scheduler are `transformers.Trainer`'s).
+        num_ppo_epochs (`int`, *optional*, defaults to `4`):
+            Number of optimisation passes over each rollout batch.
+        num_mini_batches (`int`, *optional*, defaults to `1`):
+            Number of minibatches to split a batch into; one optimizer step per minibatch.
+        group_by_length (`bool`, *optional*, defaults to `True`):
+            Order the rows of each minibatch by length before cutting it into micro-batches, so that each
+            micro-batch carries less padding. The minibatch, its loss and its gradient are unchanged (up to
+            floating-point summation order); only which rows share a micro-batch changes.
+        total_episodes (`int`, *optional*):
+            Total number of episodes (sampled responses); default `num_train_epochs × len(train_dataset) ×
+            num_samples_per_prompt`.
+        cliprange (`float`, *optional*, defaults to `0.2`):
+            Clip range.
+        vf_coef (`float`, *optional*, defaults to `0.1`):
+            Value function coefficient.
+        cliprange_value (`float`, *optional*, defaults to `0.2`):
+            Clip range for the value function (`None`: no clipping).
+        gamma (`float`, *optional*, defaults to `1.0`):
+            Discount factor.
+        lam (`float`, *optional*, defaults to `0.95`):
+            Lambda value for GAE.
+        actor_loss_type (`str`, *optional*, defaults to `"ppo"`):
+            trl_ext addition. `"ppo"`, `"reinforce"` or the name of any loss registered with kind `"policy"` or
+            `"reinforce"` (`trl_ext.register_loss`).
+        reinforce_baseline (`str`, *optional*, defaults to `"rloo"`):
+            trl_ext addition. Baseline of `actor_loss_type="reinforce"`: `"none"`, `"rloo"` or `"hardcoded"`.
+        reinforce_baseline_value (`float`, *optional*, defaults to `0.0`):
+            trl_ext addition. The constant of the `"hardcoded"` baseline.
+        dual_clip (`float`, *optional*):
+            trl_ext addition. Dual-clip constant `c > 1` of the PPO loss (`None`: off).
+        loss_aggregation (`str`, *optional*, defaults to `"token-mean"`):
+            trl_ext addition. `"token-mean"` (TRL 1.12's), `"seq-mean-token-mean"` (the RePULSe/OpenRLHF code's) or
+            `"seq-mean-token-sum"`.
+
+        > Parameters that control logging and sample generations
+
+        num_sample_generations (`int`, *optional*, defaults to `10`):
+            Number of sample-completion tables printed during training (on `eval_dataset`; `0`: none).
+
+        > Derived batch sizes (set from the others; values passed in are overwritten)
+
+        world_size (`int`): number of processes. local_batch_size (`int`): `per_device_train_batch_size ×
+        gradient_accumulation_steps`, the sequences sampled per process per rollout. micro_batch_size (`int`):
+        `per_device_train_batch_size × world_size`. batch_size (`int`): `local_batch_size × world_size`.
+        local_mini_batch_size (`int`): `local_batch_size / num_mini_batches`. mini_batch_size (`int`):
+        `batch_size / num_mini_batches`. num_total_batches (`int`): number of rollouts,
+        `ceil(total_episodes / batch_size)`.
+
+    > [!NOTE]
+    > How a rollout is consumed: each process samples `local_batch_size` responses; for each of the
+    > `num_ppo_epochs` epochs they are shuffled and split into `num_mini_batches` minibatches; each minibatch is one
+    > optimizer step, accumulated over `gradient_accumulation_steps` micro-batches (losses are normalised by the
+    > whole minibatch, so the split does not change the update). `max_steps` (optimizer steps) is
+    > `num_total_batches × num_ppo_epochs × num_mini_batches` unless set explicitly.
+
+    > [!NOTE]
+    > Defaults that differ from [`~transformers.TrainingArguments`]: `logging_steps=10`, `learning_rate=3e-6`,
+    > gradient checkpointing on, and `bf16` on when `fp16` is off *and a GPU (or XPU) is present*; on a CPU-only
+    > machine `bf16` defaults to `False` (TRL's default would refuse to start there).
+    """
+
+    # ------------------------------------------------------------------------------------- TrainingArguments
+    learning_rate: float = field(default=3e-6, metadata={"help": "The initial learning rate for AdamW."})
+
+    # ------------------------------------------------------------------------------------------------ models
+    exp_name: str = field(
+        default="ppo",
+        metadata={"help": "Name of this experiment (kept for older TRL scripts; not used for training)."},
+    )
+    sft_model_path: str = field(default="EleutherAI/pythia-160m", metadata={"help": "Path to the SFT model."})
+    reward_model_path: str = field(default="EleutherAI/pythia-160m", metadata={"help": "Path to the reward model."})
+    model_adapter_name: str | None = field(
+        default=None,
+        metadata={"help": "Name of the train target PEFT adapter, when using LoRA with multiple adapters."},
+    )
+    ref_adapter_name: str | None = field(
+        default=None,
+        metadata={"help": "Name of the reference PEFT adapter, when using LoRA with multiple adapters."},
+    )
+    shared_actor_critic: bool = field(
+        default=False,
+        metadata={
+            "help": "Put the critic on the policy: a scalar value head on the policy's last hidden state "
+            "(AutoModelForCausalLMWithValueHead; a plain causal LM is wrapped with a fresh head) and no separate "
+            "value model. Trade-off: one trunk instead of two halves the memory and the forward passes, but the "
+            "value loss now shapes the policy's own representation (tune `vf_coef`; a value loss that is large "
+            "early can disturb the policy) and the critic cannot start from a trained reward model. A separate "
+            "value model (the default, TRL's layout) isolates the two objectives at twice the cost."
+        },
+    )
+
+    # -------------------------------------------------------------------------------------------- generation
+    # (stop_token, stop_token_id, local_rollout_forward_batch_size, ds3_gather_for_generation, missing_eos_penalty
+    # and dataset_num_proc are `OnlineConfig`'s, with TRL 1.12's defaults.)
+    response_length: int = field(default=53, metadata={"help": "Length of the response (maximum new tokens)."})
+    temperature: float = field(
+        default=0.7,
+        metadata={"help": "Sampling temperature; log-probs are computed at the same temperature."},
+    )
+    top_k: int | None = field(
+        default=None,
+        metadata={
+            "help": "Top-k sampling (None or 0: off). WARNING: the ratio and the KL penalty use log-probs of the full "
+            "softmax, not of the truncated distribution the samples come from, so both are biased."
+        },
+    )
+    top_p: float = field(
+        default=1.0,
+        metadata={"help": "Nucleus sampling (1.0: off). WARNING: biases the ratio and the KL penalty, as top_k."},
+    )
+    num_samples_per_prompt: int = field(
+        default=1,
+        metadata={
+            "help": "Responses sampled per prompt (rows are grouped prompt by prompt); the 'rloo' baseline needs "
+            ">= 2. `per_device_train_batch_size` counts responses, so prompts per rollout = local_batch_size / N."
+        },
+    )
+
+    # ----------------------------------------------------------------------------------------------- rewards
+    kl_coef: float = field(default=0.05, metadata={"help": "KL coefficient."})
+    kl_estimator: Literal["k1", "k2", "k3"] = field(
+        default="k1",
+        metadata={
+            "help": "Per-token KL estimator (http://joschu.net/blog/kl-approx.html): 'k1' (log-ratio, unbiased, "
+            "single tokens may be negative), 'k2' (squared log-ratio / 2, >= 0, biased) or 'k3' (unbiased and >= 0)."
+        },
+    )
+    whiten_rewards: bool = field(default=False, metadata={"help": "Whether to whiten the rewards."})
+    reward_clip: float | None = field(
+        default=None,
+        metadata={"help": "Clip scores to [-reward_clip, reward_clip] before they enter the rewards (None: off)."},
+    )
+
+    # ---------------------------------------------------------------------------------------- optimisation
+    num_ppo_epochs: int = field(default=4, metadata={"help": "Number of epochs to train."})
+    num_mini_batches: int = field(
+        default=1, metadata={"help": "Number of minibatches to split a batch into (one optimizer step each)."}
+    )
+    group_by_length: bool = field(
+        default=True,
+        metadata={
+            "help": "Order the rows of each minibatch by length before cutting it into micro-batches (less padding "
+            "per micro-batch; the minibatch gradient is unchanged)."
+        },
+    )
+    total_episodes: int | None = field(
+        default=None,
+        metadata={
+            "help": "Total number of episodes (sampled responses). Default: num_train_epochs × len(train_dataset) "
+            "× num_samples_per_prompt."
+        },
+    )
+    cliprange: float = field(default=0.2, metadata={"help": "Clip range."})
+    vf_coef: float = field(default=0.1, metadata={"help": "Value function coefficient."})
+    cliprange_value: float | None = field(
+        default=0.2, metadata={"help": "Clip range for the value function (None: no clipping)."}
+    )
+    gamma: float = field(default=1.0, metadata={"help": "Discount factor."})
+    lam: float = field(default=0.95, metadata={"help": "Lambda value for GAE."})
+    actor_loss_type: str = field(
+        default="ppo",
+        metadata={
+            "help": "Actor loss: 'ppo' (clipped surrogate on GAE advantages), 'reinforce' (score function on the "
+            "sequence return minus `reinforce_baseline`; no critic) or the name of any loss registered with "
+            "`trl_ext.register_loss(name, kind='policy' or 'reinforce')`."
+        },
+    )
+    reinforce_baseline: str = field(
+        default="rloo",
+        metadata={
+            "help": "Baseline of actor_loss_type='reinforce': 'none', 'rloo' (leave-one-out mean of the other "
+            "samples of the same prompt; needs num_samples_per_prompt >= 2) or 'hardcoded' "
+            "(`reinforce_baseline_value`)."
+        },
+    )
+    reinforce_baseline_value: float = field(
+        default=0.0, metadata={"help": "The constant of reinforce_baseline='hardcoded'."}
+    )
+    dual_clip: float | None = field(
+        default=None,
+        metadata={"help": "Dual-clip constant c > 1 of the PPO loss (Ye et al. 2020); None: off."},
+    )
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = field(
+        default="token-mean",
+        metadata={
+            "help": "How per-token losses are reduced: 'token-mean' (every token counts equally; TRL 1.12's PPO), "
+            "'seq-mean-token-mean' (each sequence's token mean, then the mean over sequences; the RePULSe code's) "
+            "or 'seq-mean-token-sum'. The mean is always over the whole minibatch, whatever the micro-batch split."
+        },
+    )
+
+    # ---------------------------------------------------------------------------------------------- logging
+    num_sample_generations: int = field(
+        default=10,
+        metadata={
+            "help": "Number of debugging samples generations (i.e., `generate_completions` calls) throughout training."
+        },
+    )
+    push_to_hub: bool = field(default=False, metadata={"help": "Whether to push the model to the Hub after training."})
+
+    # ------------------------------------------------------------------------------------- derived sizes
+    world_size: int | None = field(
+        default=None, metadata={"help": "Number of processes (GPUs) to use for the training (derived)."}
+    )
+    num_total_batches: int | None = field(
+        default=None, metadata={"help": "Number of total batches (rollouts) to train (derived)."}
+    )
+    micro_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Micro batch size across devices (HF's `per_device_train_batch_size` * `world_size`)."},
+    )
+    local_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Batch size per GPU (HF's `per_device_train_batch_size` * `gradient_accumulation_steps`)."},
+    )
+    batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Batch size across devices (HF's `per_device_train_batch_size` * `world_size` * "
+            "`gradient_accumulation_steps`)."
+        },
+    )
+    local_mini_batch_size: int | None = field(default=None, metadata={"help": "Mini batch size per GPU (derived)."})
+    mini_batch_size: int | None = field(default=None, metadata={"help": "Mini batch size across GPUs (derived)."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        _ = self.device  # set up the distributed state, then read the number of processes
+        self.world_size = TrainingArguments.world_size.fget(self)
+        self.set_batch_sizes()
+
+    # ------------------------------------------------------------------------------------------- checks
+    def _validate(self) -> None:
+        super()._validate()
+        fail = self._fail
+        self._check_choice("kl_estimator", KL_ESTIMATORS)
+        if self.top_k is not None and self.top_k < 0:
+            fail(f"top_k={self.top_k}: set top_k >= 0 (None or 0: off).")
+        if not 0.0 < self.top_p <= 1.0:
+            fail(f"top_p={self.top_p}: set 0 < top_p <= 1 (1.0: off).")
+        if self.top_k or self.top_p < 1.0:
+            warnings.warn(
+                f"PPOConfig: top_k={self.top_k}, top_p={self.top_p} truncate the sampling distribution, but the PPO "
+                "ratio and the KL penalty use log-probs of the full softmax at `temperature`: both are then biased "
+                "(the KL estimate no longer measures KL(policy || reference) of what is sampled). Leave top_k=None "
+                "and top_p=1.0 unless you know why you need them.",
+                UserWarning,
+                stacklevel=5,
+            )
+        for name in ("num_ppo_epochs", "num_mini_batches"):
+            if getattr(self, name) < 1:
+                fail(f"{name}={getattr(self, name)}: set it to at least 1.")
+        if self.num_sample_generations < 0:
+            fail(f"num_sample_generations={self.num_sample_generations}: set it >= 0 (0: no sample tables).")
+        if self.reward_clip is not None and not self.reward_clip > 0:
+            fail(f"reward_clip={self.reward_clip}: set a positive bound or None.")
+        if not self.cliprange > 0:
+            fail(f"cliprange={self.cliprange}: set cliprange > 0.")
+        if self.cliprange_value is not None and not self.cliprange_value > 0:
+            fail(f"cliprange_value={self.cliprange_value}: set cliprange_value > 0, or None to disable clipping.")
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            fail(f"dual_clip={self.dual_clip}: set dual_clip > 1, or None to disable it.")
+        if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
+            fail(f"gamma={self.gamma}, lam={self.lam}: both must be in [0, 1].")
+        if self.vf_coef < 0 or self.kl_coef < 0:
+            fail(f"vf_coef={self.vf_coef}, kl_coef={self.kl_coef}: coefficients must be >= 0.")
+        self._check_choice("loss_aggregation", AGGREGATIONS)
+        self._validate_actor_loss(fail)
+        if self.total_episodes is not None and self.total_episodes < 1:
+            fail(f"total_episodes={self.total_episodes}: set a positive number, or None for one pass per epoch.")
+        per_device, accumulation = self.per_device_train_batch_size, self.gradient_accumulation_steps
+        if per_device % self.num_mini_batches:
+            fail(
+                f"per_device_train_batch_size={per_device} is not a multiple of num_mini_batches="
+                f"{self.num_mini_batches}: each minibatch (local_batch_size / num_mini_batches) is split into "
+                f"gradient_accumulation_steps={accumulation} equal micro-batches of per_device_train_batch_size / "
+                "num_mini_batches sequences. Make per_device_train_batch_size a multiple of num_mini_batches."
+            )
+        if (per_device * accumulation) % self.num_samples_per_prompt:
+            fail(
+                f"local_batch_size = per_device_train_batch_size × gradient_accumulation_steps = "
+                f"{per_device * accumulation} responses is not a multiple of num_samples_per_prompt="
+                f"{self.num_samples_per_prompt}; change one of them so every prompt gets all its samples."
+            )
+
+    def _validate_actor_loss(self, fail) -> None:
+        if self.actor_loss_type == "reinforce":
+            if self.reinforce_baseline not in REINFORCE_BASELINES:
+                fail(
+                    f"unknown reinforce_baseline {self.reinforce_baseline!r}; choose one of "
+                    f"{', '.join(REINFORCE_BASELINES)}."
+                )
+            if self.reinforce_baseline == "rloo" and self.num_samples_per_prompt < 2:
+                fail(
+                    "reinforce_baseline='rloo' needs at least 2 samples per prompt; set num_samples_per_prompt >= 2 "
+                    "or reinforce_baseline='none' / 'hardcoded'."
+                )
+            return
+        if self.actor_loss_type == "ppo":
+            return
+        try:
+            spec = get_loss_spec(self.actor_loss_type)
+        except KeyError:
+            names = sorted({*available_losses("policy"), *available_losses("reinforce")})
+            fail(
+                f"unknown actor_loss_type {self.actor_loss_type!r}: use 'ppo', 'reinforce' or a loss registered with "
+                f"kind 'policy' or 'reinforce' (registered: {', '.join(names)}). Register custom losses with "
+                "trl_ext.register_loss(name, kind='policy') before building the config."
+            )
+        if spec.kind not in ACTOR_LOSS_KINDS:
+            fail(
+                f"actor_loss_type={self.actor_loss_type!r} is a {spec.kind!r} loss; the actor needs a 'policy' "
+                f"(logprobs, old_logprobs, advantages, mask) or a 'reinforce' (logprobs, rewards, mask) loss."
+            )
+        if spec.kind == "reinforce" and self.reinforce_baseline not in BASELINES:
+            fail(f"unknown reinforce_baseline {self.reinforce_baseline!r}.")
+
+    # ----------------------------------------------------------------------------------------- derived
+    @property
+    def uses_critic(self) -> bool:
+        """Whether the actor loss needs a critic (GAE advantages): every loss of kind 'policy' does."""
+        if self.actor_loss_type == "reinforce":
+            return False
+        return self.actor_loss_type == "ppo" or get_loss_spec(self.actor_loss_type).kind == "policy"
+
+    @property
+    def updates_per_rollout(self) -> int:
+        """Optimizer steps per rollout: `num_ppo_epochs × num_mini_batches`."""
+        return self.num_ppo_epochs * self.num_mini_batches
+
+    def set_batch_sizes(self, dataset_length: int | None = None) -> None:
+        """Fill the derived sizes; with `dataset_length`, also `total_episodes` (if unset) and `num_total_batches`."""
+        world = self.world_size or 1
+        self.local_batch_size = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        self.micro_batch_size = self.per_device_train_batch_size * world
+        self.batch_size = self.local_batch_size * world
+        self.local_mini_batch_size = self.local_batch_size // self.num_mini_batches
+        self.mini_batch_size = self.batch_size // self.num_mini_batches
+        if self.total_episodes is None and dataset_length is not None:
+            self.total_episodes = int(self.num_train_epochs * dataset_length * self.num_samples_per_prompt)
+        if self.max_steps > 0:
+            self.num_total_batches = math.ceil(self.max_steps / self.updates_per_rollout)
+        elif self.total_episodes is not None:
+            self.num_total_batches = math.ceil(self.total_episodes / self.batch_size)
+
+    @property
+    def total_updates(self) -> int:
+        """Optimizer steps of the run: ``max_steps`` when set (then ``total_episodes`` is not used), else
+        ``num_total_batches × updates_per_rollout``."""
+        return self.max_steps if self.max_steps > 0 else self.num_total_batches * self.updates_per_rollout

@@ -1,0 +1,442 @@
+"""`PPOTrainer`: PPO for language models on `transformers.Trainer`, with TRL 1.12's constructor and config.
+
+How it sits on `Trainer` (the way TRL's GRPO does): the train dataloader yields the prompts of one rollout per
+process, repeated once per optimisation micro-step (:class:`~trl_ext.rollout.data.RolloutSampler`). At the first
+micro-step of a rollout :meth:`PPOTrainer.training_step` samples and scores responses (:meth:`rollout`), builds the
+rewards (:meth:`compute_rewards`) and advantages (:meth:`compute_advantages`) and a schedule: for each PPO epoch a
+fresh permutation of the rollout, cut into ``num_mini_batches`` minibatches, each cut into
+``gradient_accumulation_steps`` micro-batches. Every micro-step then computes the loss of its micro-batch
+(:meth:`compute_policy_loss`, :meth:`compute_value_loss`), normalised by the whole minibatch's sequence or token
+count, and `Trainer` back-propagates it; `Trainer`'s optimizer step after each accumulation is one minibatch update.
+Optimizer, scheduler, gradient clipping, mixed precision, logging, callbacks, checkpoints and resume are `Trainer`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import textwrap
+import time
+from dataclasses import replace
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from trl.trainer.base_trainer import _BaseTrainer
+
+from ...losses import LossOutput, get_loss, get_loss_spec
+from ...losses.reinforce import compute_baseline
+from ...ops import assemble_token_rewards, gae_advantages, kl_estimate, masked_sum, masked_whiten
+from ...rollout.data import left_padded
+from ...rollout.generator import Rollout, RolloutReward, forward_response
+from ...rollout.vision import check_vision_critic, check_vision_models
+from ..common import checkpoint as ckpt
+from ..common.checks import refuse_same_object
+from ..common.metrics import PPOMetrics, rollout_metrics
+from ..common.online import OnlineTrainerMixin, forked_rng
+from .experience import Experience, minibatch_counts, padded_lengths, ppo_schedule, schedule_position
+from .policy_value import PolicyAndValueModel, build_ppo_models
+from .ppo_config import PPOConfig
+
+__all__ = ["PPOTrainer", "PPORewards"]
+
+logger = logging.getLogger(__name__)
+
+
+class PPORewards(NamedTuple):
+    """Result of :meth:`PPOTrainer.compute_rewards`; all ``(B, T)``, zero where the response mask is zero."""
+
+    rewards: torch.Tensor
+    """Per-token rewards ``−kl_coef·kl_t`` plus the (clipped) score at the last token (whitened if asked)."""
+    non_score_rewards: torch.Tensor
+    """The KL part ``−kl_coef·kl_t``."""
+    kl: torch.Tensor
+    """The per-token KL estimate (``kl_estimator``)."""
+
+
+class PPOTrainer(OnlineTrainerMixin, _BaseTrainer):
+    """Trainer for Proximal Policy Optimization (PPO) of language models, with TRL 1.12's constructor.
+
+    Args:
+        args (`PPOConfig`): training arguments.
+        processing_class: the policy's tokenizer (it needs a pad token; prompts are left-padded for generation), or
+            a vision-language policy's processor.
+        model: the policy to train (`AutoModelForCausalLM`, a value-head model, a PEFT model, a modulated policy, or
+            a vision-language model from `AutoModelForImageTextToText`, see ``docs/vision.md``).
+        ref_model: the frozen reference policy. `None`: the LoRA base (adapters disabled) under PEFT, otherwise a
+            frozen copy of the initial policy. Must not be ``model`` itself.
+        reward_model: a reward model sharing the policy's tokenizer (scored on token ids, at the last real token),
+            or a ``(model, tokenizer)`` pair, a `RewardFunction`, a callable ``(prompts, completions) -> scores``,
+            a reward-server URL (scored on decoded text).
+        train_dataset: prompts, in a ``prompt`` column (text or chat messages) or an ``input_ids`` column; for a
+            vision-language policy ``prompt`` plus ``image`` (a PIL image or a path per row) or ``images``.
+        value_model: the critic (e.g. `AutoModelForSequenceClassification` with ``num_labels=1``); `None` with
+            ``shared_actor_critic=True`` or a REINFORCE-type ``actor_loss_type``.
+        data_collator: collates dataset rows into ``input_ids``/``attention_mask`` (default: left-padding).
+        eval_dataset: prompts for sample-completion tables and :meth:`evaluate`.
+        optimizers: ``(optimizer, scheduler)``; default: `Trainer`'s, over the policy and the critic together.
+        callbacks: extra `TrainerCallback`s.
+        peft_config: a `peft.PeftConfig` to train the policy with adapters (the critic is trained fully).
+
+    Public hooks for research code: :meth:`rollout`, :meth:`compute_rewards`, :meth:`compute_advantages`,
+    :meth:`compute_policy_loss`, :meth:`compute_value_loss`.
+    """
+
+    _tag_names = ["trl", "trl-ext", "ppo"]
+    _name = "PPO"
+    _paper = {
+        "title": "Fine-Tuning Language Models from Human Preferences",
+        "id": "1909.08593",
+        "citation": textwrap.dedent(
+            """\
+            @article{ziegler2019finetuning,
+                title   = {{Fine-Tuning Language Models from Human Preferences}},
+                author  = {Daniel M. Ziegler and Nisan Stiennon and Jeffrey Wu and Tom B. Brown and Alec Radford and
+                           Dario Amodei and Paul F. Christiano and Geoffrey Irving},
+                year    = 2019,
+                eprint  = {arXiv:1909.08593}
+            }"""
+        ),
+    }
+    # Micro-batch losses are normalised by the whole minibatch (see `aggregate(normalizer=...)`): no GA division.
+    loss_is_scaled_for_ga = True
+    _config_class = PPOConfig
+
+    def __init__(
+        self,
+        args: PPOConfig,
+        processing_class,
+        model: nn.Module,
+        ref_model: nn.Module | None,
+        reward_model,
+        train_dataset,
+        value_model: nn.Module | None = None,
+        data_collator=None,
+        eval_dataset=None,
+        optimizers: tuple = (None, None),
+        callbacks: list | None = None,
+        peft_config=None,
+    ) -> None:
+        refuse_same_object(model, ref_model)
+        self._begin_setup(args, processing_class, train_dataset, reward_model)
+        policy, value_model, reference = build_ppo_models(args, model, ref_model, value_model, peft_config)
+        self._disable_dropout(policy, reference.model, value_model, reward_model)
+        self.policy_model, self.ref_model, self.value_model, self.reward_model = (
+            policy, reference.model, value_model, reward_model,
+        )  # fmt: skip
+        self.reference = reference
+
+        train_dataset, eval_dataset = self._prepare_datasets(args, train_dataset, eval_dataset, model=policy)
+        check_vision_models(self.vision_spec, ref_model=reference.model)
+        check_vision_critic(self.vision_spec, value_model)
+        self._set_sizes(args, len(train_dataset))
+        wrapper = PolicyAndValueModel(
+            policy, value_model, use_policy_value_head=args.shared_actor_critic and args.uses_critic
+        )
+        self._init_trainer(
+            wrapper, policy, args, data_collator, train_dataset=train_dataset, eval_dataset=eval_dataset,
+            processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
+        )  # fmt: skip
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        if plugin is not None and plugin.zero_stage == 3 and not args.ds3_gather_for_generation:
+            logger.warning(
+                "ZeRO-3 with ds3_gather_for_generation=False: every generated token gathers the sharded weights layer "
+                "by layer, which is very slow (a rollout can look hung). Set ds3_gather_for_generation=True when the "
+                "policy fits on one GPU."
+            )
+        self._sampling = self._sampling_settings(args)
+        self.rollout_generator = self._rollout_generator(
+            RolloutReward(self.reward_model, self.tokenizer, uses_images=args.reward_uses_images), self.reference,
+            policy_of=lambda m: m.policy, with_values=wrapper.has_critic,
+        )  # fmt: skip
+        self._metrics = PPOMetrics()
+        self._resume_path: str | None = None
+        self._micro_step: int | None = None
+        self._experience: Experience | None = None
+
+    # ------------------------------------------------------------------------------------------------ setup
+    def _set_sizes(self, args: PPOConfig, dataset_length: int) -> None:
+        args.set_batch_sizes(dataset_length)
+        self._max_steps = args.total_updates
+        self._micro_steps_per_rollout = args.updates_per_rollout * args.gradient_accumulation_steps
+        self._prompts_per_process = args.local_batch_size // args.num_samples_per_prompt
+        if dataset_length < self._prompts_per_process * args.world_size:
+            raise ValueError(
+                f"train_dataset has {dataset_length} prompts but one rollout needs "
+                f"{self._prompts_per_process * args.world_size} (local_batch_size={args.local_batch_size} responses / "
+                f"num_samples_per_prompt={args.num_samples_per_prompt} × {args.world_size} processes); add prompts or "
+                "lower per_device_train_batch_size / gradient_accumulation_steps."
+            )
+        self._sample_every = (
+            max(1, args.num_total_batches // args.num_sample_generations) if args.num_sample_generations else 0
+        )
+
+    # ------------------------------------------------------------------------------------- Trainer plumbing
+    def get_train_dataloader(self) -> DataLoader:
+        """One rollout's prompts per process, repeated once per micro-step (:class:`RolloutSampler`)."""
+        return self._prompt_dataloader(self._prompts_per_process, repeat=self._micro_steps_per_rollout)
+
+    def set_initial_training_values(self, args, dataloader):
+        """`Trainer`'s values with PPO's number of optimizer steps: ``num_total_batches × updates_per_rollout``."""
+        values = list(super().set_initial_training_values(args, dataloader))
+        per_epoch = values[1]
+        values[0] = max(1, math.ceil(self._max_steps / per_epoch))  # num_train_epochs
+        values[3] = args.total_episodes if args.max_steps <= 0 else self._max_steps * args.mini_batch_size
+        values[6] = self._max_steps
+        return tuple(values)
+
+    def _start_training(self, resume_from_checkpoint: str | None) -> None:
+        self._resume_path = resume_from_checkpoint
+        self._micro_step, self._experience = None, None
+        self._train_start, self._episode_start = time.time(), None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        # `Trainer`'s loader expects one weight file for the module it trains; PPO checkpoints keep the policy in HF
+        # format at the root and the critic in value_model/ (see `checkpoint.py`). Optimizer, scheduler, RNG and
+        # trainer state are still restored by `Trainer`.
+        wrapper = self.accelerator.unwrap_model(model if model is not None else self.model)
+        ckpt.load_policy_and_value(wrapper.policy, wrapper.value_model, resume_from_checkpoint)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Save the policy at ``output_dir`` (HF format, or the adapter under PEFT), the critic in ``value_model/``,
+        the tokenizer and the training arguments (and, outside checkpoints, the model card; pushed with
+        ``push_to_hub``). In a checkpoint taken in the middle of a rollout, the rollout is saved too, so that resuming
+        continues it exactly."""
+        super().save_model(output_dir, _internal_call)
+        if _internal_call and self._experience is not None and self._micro_step % self._micro_steps_per_rollout:
+            output_dir = os.path.normpath(output_dir if output_dir is not None else self.args.output_dir)
+            os.makedirs(output_dir, exist_ok=True)
+            name = ckpt.ROLLOUT_STATE_PATTERN.format(rank=self.accelerator.process_index)
+            torch.save(self._experience.state_dict(), os.path.join(output_dir, name))
+
+    def _write_models(self, output_dir: str, state_dict: dict | None) -> None:
+        wrapper = self.accelerator.unwrap_model(self.model)
+        ckpt.save_policy_and_value(
+            wrapper.policy, wrapper.value_model, output_dir, state_dict=state_dict,
+            processing_class=self.processing_class, extra_files={"training_args.bin": self.args},
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------------------------- the training step
+    def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
+        """One micro-step: make the rollout's experience on its first micro-step, then train on micro-batch
+        ``position`` of the schedule (forward, PPO losses, backward through `Trainer.training_step`)."""
+        if self._micro_step is None:
+            self._position_after_resume()
+        position = self._micro_step % self._micro_steps_per_rollout
+        if position == 0 or self._experience is None:
+            self._experience = self._make_experience(model, inputs)
+            self._training_time = 0.0
+        self._position = position
+        start = time.perf_counter()
+        loss = super().training_step(model, self._experience.micro_batch(position), num_items_in_batch)
+        self._training_time += time.perf_counter() - start
+        self._micro_step += 1
+        if position == self._micro_steps_per_rollout - 1:  # the rollout is used up
+            self._metrics.add("timing/training", self._training_time)
+            self._experience = None
+            rollout_index = self._micro_step // self._micro_steps_per_rollout - 1
+            if self._sample_every and rollout_index % self._sample_every == 0 and self.eval_dataset is not None:
+                self.generate_completions(sampling=True)
+        return loss
+
+    def _position_after_resume(self) -> None:
+        self._micro_step = self.state.global_step * self.args.gradient_accumulation_steps
+        if self._micro_step % self._micro_steps_per_rollout == 0:
+            return
+        name = ckpt.ROLLOUT_STATE_PATTERN.format(rank=self.accelerator.process_index)
+        path = os.path.join(self._resume_path or "", name)
+        if not os.path.isfile(path):
+            raise RuntimeError(
+                f"Step {self.state.global_step} is in the middle of a rollout, but {path} is missing: resume from a "
+                "checkpoint written by trl_ext's PPOTrainer (it saves the rollout in progress)."
+            )
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        self._experience = Experience.from_state_dict(state, self.accelerator.device)
+        self._training_time = 0.0
+        logger.info("Resumed in the middle of a rollout from %s.", path)
+
+    def _make_experience(self, model: nn.Module, inputs: dict) -> Experience:
+        device = self.accelerator.device
+        prompt_ids, prompt_mask = left_padded(
+            inputs["input_ids"], inputs.get("attention_mask"), self.tokenizer.pad_token_id
+        )
+        rollout_index = self._micro_step // self._micro_steps_per_rollout
+        vision = {"vision": inputs["vision"].to(device)} if inputs.get("vision") is not None else {}
+        rollout = self.rollout(model, prompt_ids.to(device), prompt_mask.to(device), **vision)
+        rewards = self.compute_rewards(rollout)
+        advantages, returns = self.compute_advantages(rollout, rewards)
+        schedule = self._schedule(rollout_index, rollout)
+        experience = Experience(rollout, advantages, returns, schedule, self._normalizers(rollout, schedule))
+        self._log_rollout(rollout, rewards, rollout_index)
+        return experience
+
+    def _schedule(self, rollout_index: int, rollout: Rollout) -> list[torch.Tensor]:
+        args = self.args
+        seed = ((args.seed * 1_000_003 + self.accelerator.process_index) * 1_000_003 + rollout_index) * 1009
+        lengths = padded_lengths(rollout.prompt_mask, rollout.response_mask) if args.group_by_length else None
+        return ppo_schedule(
+            rollout.batch_size,
+            args.num_ppo_epochs,
+            args.num_mini_batches,
+            args.gradient_accumulation_steps,
+            seed,
+            lengths=lengths,
+        )
+
+    def _normalizers(self, rollout: Rollout, schedule: list[torch.Tensor]) -> list[float]:
+        """Each micro-step's minibatch count (sequences or tokens), averaged over processes (DDP averages the
+        gradients, so the per-process loss is divided by ``global count / num_processes``)."""
+        accumulation = self.args.gradient_accumulation_steps
+        counts = minibatch_counts(schedule, rollout.response_mask, self.args.loss_aggregation, accumulation)
+        counts = self.accelerator.reduce(counts, reduction="mean").tolist()
+        return [counts[i // accumulation] for i in range(len(schedule))]
+
+    # ------------------------------------------------------------------------------------------ public hooks
+    def rollout(self, model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, vision=None) -> Rollout:
+        """Sample ``num_samples_per_prompt`` responses per left-padded prompt and score them (see
+        :class:`~trl_ext.rollout.generator.RolloutGenerator`); ``vision``: the prompts' image inputs (passed only
+        with images). Override to change how experience is collected."""
+        return self.rollout_generator(model, prompt_ids, prompt_mask, vision=vision)
+
+    def compute_rewards(self, rollout: Rollout) -> PPORewards:
+        """Per-token rewards: the KL estimate (``kl_estimator``) times ``−kl_coef`` on every response token, plus
+        the score (clipped to ``reward_clip``) at the last one (`trl_ext.ops.assemble_token_rewards`); whitened
+        (mean kept) with ``whiten_rewards``."""
+        args, mask = self.args, rollout.response_mask
+        kl = kl_estimate(rollout.logprobs, rollout.ref_logprobs, args.kl_estimator, mask)
+        rewards, non_score = assemble_token_rewards(kl, rollout.scores, mask, args.kl_coef, clamp=args.reward_clip)
+        if args.whiten_rewards:
+            rewards = masked_whiten(rewards, mask, shift_mean=False)
+        return PPORewards(rewards, non_score, kl)
+
+    def compute_advantages(self, rollout: Rollout, rewards: PPORewards) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(advantages, returns)``, both ``(B, T)``.
+
+        With a critic: GAE(``gamma``, ``lam``) on the rewards and the rollout's values, advantages whitened over
+        the rollout (`trl_ext.ops.gae_advantages`, `masked_whiten`). Without (REINFORCE-type losses): the
+        sequence return (sum of the token rewards) minus ``reinforce_baseline`` computed per prompt group, the same
+        value at every token of the sequence; ``returns`` is ``None``.
+        """
+        args, mask = self.args, rollout.response_mask
+        if rollout.values is not None:
+            advantages, returns = gae_advantages(rewards.rewards, rollout.values, mask, args.gamma, args.lam)
+            return masked_whiten(advantages, mask), returns
+        returns_seq = masked_sum(rewards.rewards, mask, dim=-1)
+        grouped = returns_seq.view(-1, rollout.num_samples_per_prompt)
+        baseline = compute_baseline(grouped, args.reinforce_baseline, baseline_value=args.reinforce_baseline_value)
+        advantages = (returns_seq - baseline.reshape(-1).to(returns_seq.dtype)).unsqueeze(-1)
+        return advantages * (mask != 0), None
+
+    def compute_policy_loss(self, logprobs: torch.Tensor, batch: dict, normalizer: float) -> LossOutput:
+        """The actor loss of a micro-batch (``actor_loss_type`` from the loss registry).
+
+        ``batch`` holds ``old_logprobs``, ``advantages``, ``response_mask`` (``(B, T)``). A ``"policy"`` loss is
+        called as ``loss(logprobs, old_logprobs, advantages, mask, cliprange=, dual_clip=, aggregation=,
+        normalizer=)`` (its protocol, checked when it was registered); a ``"reinforce"`` loss gets the per-sequence
+        advantage as its reward and no baseline (the baseline is already in the advantage).
+        """
+        args, mask = self.args, batch["response_mask"]
+        spec = get_loss_spec(args.actor_loss_type)
+        common = {"aggregation": args.loss_aggregation, "normalizer": normalizer}
+        if spec.kind == "reinforce":
+            return spec.call(logprobs, batch["advantages"][:, 0], mask, baseline="none", **common)
+        spec = get_loss_spec(args.actor_loss_type, "policy")
+        return spec.call(
+            logprobs, batch["old_logprobs"], batch["advantages"], mask,
+            cliprange=args.cliprange, dual_clip=args.dual_clip, **common,
+        )  # fmt: skip
+
+    def compute_value_loss(self, values: torch.Tensor, batch: dict, normalizer: float) -> LossOutput:
+        """The clipped value loss of a micro-batch (`trl_ext.losses.clipped_value_loss`, ``cliprange_value``)."""
+        fn = get_loss("clipped_value", "value")
+        args = self.args
+        return fn(
+            values, batch["old_values"], batch["returns"], batch["response_mask"],
+            cliprange_value=args.cliprange_value, aggregation=args.loss_aggregation, normalizer=normalizer,
+        )  # fmt: skip
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Policy loss + ``vf_coef`` × value loss of the micro-batch ``inputs`` (built by :meth:`training_step`)."""
+        mask = inputs["response_mask"]
+        uses_critic = "returns" in inputs
+        out = forward_response(
+            model, inputs["input_ids"], inputs["attention_mask"], mask.shape[1], temperature=self.args.temperature,
+            return_values=uses_critic, return_entropy=True, vision=inputs.get("vision"),
+        )  # fmt: skip
+        policy = self.compute_policy_loss(out.logprobs, inputs, inputs["normalizer"])
+        loss = policy.loss
+        value = None
+        if uses_critic:
+            value = self.compute_value_loss(out.values, inputs, inputs["normalizer"])
+            loss = loss + self.args.vf_coef * value.loss
+        self._record_step(out.logprobs.detach(), out.entropy, inputs, policy, value)
+        return (loss, out) if return_outputs else loss
+
+    # ----------------------------------------------------------------------------------------------- metrics
+    def _record_step(self, logprobs, entropy, inputs, policy: LossOutput, value: LossOutput | None) -> None:
+        args = self.args
+        epoch, minibatch, micro = schedule_position(
+            self._position, args.num_mini_batches, args.gradient_accumulation_steps
+        )
+        self._metrics.add_micro_batch(
+            logprobs, inputs["old_logprobs"], entropy, inputs["response_mask"], policy, value,
+            first_minibatch=epoch == 0 and minibatch == 0,
+            last_micro_batch=micro == args.gradient_accumulation_steps - 1,
+        )  # fmt: skip
+
+    def _log_rollout(self, rollout: Rollout, rewards: PPORewards, rollout_index: int) -> None:
+        values = rollout_metrics(
+            rollout.scores, rollout.logprobs, rewards.kl, rewards.non_score_rewards, rollout.response_mask,
+            rollout.contains_stop,
+        )  # fmt: skip
+        self._metrics.add_rollout(values, rollout.timings, int(rollout.response_mask.sum()), self.accelerator.gather)
+        episode = (rollout_index + 1) * self.args.batch_size
+        if self._episode_start is None:
+            self._episode_start = rollout_index * self.args.batch_size
+        self._metrics.scalars["episode"] = episode
+        self._metrics.scalars["eps"] = (episode - self._episode_start) / max(time.time() - self._train_start, 1e-9)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add the PPO metrics collected since the last log to `Trainer`'s logs (TRL's names, plus ``lr``)."""
+        if not any(key.startswith("eval_") for key in logs):
+            logs.update(self._metrics.pop())
+            if "learning_rate" in logs:
+                logs["lr"] = logs["learning_rate"]
+        super().log(logs, start_time)
+
+    # ----------------------------------------------------------------------------------- samples & evaluation
+    @torch.no_grad()
+    def generate_completions(self, sampling: bool = False, dataset=None) -> list[dict] | None:
+        """Greedy completions of the eval prompts (or of ``dataset``) with their scores; prints the first rows as a
+        table and logs the table to wandb / trackio / comet when they are in ``report_to``. ``sampling=True``: the
+        first batch only. Runs under a forked RNG, so it does not change the training run."""
+        dataset = self._eval_prompts(dataset)
+        if dataset is None:
+            return None
+        settings = replace(self._sampling, do_sample=False, num_samples_per_prompt=1)
+        rows = []
+        with forked_rng():
+            for batch in self._eval_dataloader(dataset):
+                ids, mask, vision = batch["input_ids"], batch["attention_mask"], batch.get("vision")
+                rows += self._completion_rows(ids, mask, settings, "model response", vision=vision)
+                if sampling:
+                    break
+        return self._publish_completions(rows, "PPO samples")
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Greedy completions of the eval prompts, scored by the reward: logs ``{prefix}_objective/scores``.
+
+        ``eval_dataset``: a prompt dataset, or the key of one in a dict ``eval_dataset``; default: the eval set."""
+        start = time.time()
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        rows = self.generate_completions(sampling=False, dataset=eval_dataset) or []
+        metrics = {
+            f"{metric_key_prefix}_objective/scores": sum(r["score"] for r in rows) / max(len(rows), 1),
+            f"{metric_key_prefix}_runtime": time.time() - start,
+        }
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
