@@ -101,3 +101,16 @@ def test_truncate_empty_stop_ids_raises():
 def test_position_ids_from_attention_mask():
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0]])
     assert position_ids_from_attention_mask(mask).tolist() == [[1, 1, 0, 1, 2], [0, 1, 2, 1, 1]]
+
+
+def test_group_rows_by_samples_or_prompts_with_clear_errors():
+    from trl_ext.ops import group_rows
+
+    x = torch.arange(12).reshape(6, 2)
+    by_n = group_rows(x, samples_per_prompt=3)
+    assert by_n.shape == (2, 3, 2) and by_n[1, 0].tolist() == [6, 7]  # prompt 1's first sample is row 3
+    assert torch.equal(group_rows(x, num_prompts=2), by_n)
+    with pytest.raises(ValueError, match="rewards has 6 rows, not a multiple of the 4 samples per prompt"):
+        group_rows(x, samples_per_prompt=4, what="rewards")
+    with pytest.raises(ValueError, match="exactly one"):
+        group_rows(x)

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..utils import eval_mode
+
 __all__ = ["BadOutputProbability", "bad_output_probability", "prompt_token_ids"]
 
 logger = logging.getLogger(__name__)
@@ -242,9 +244,7 @@ def bad_output_probability(
         return BadOutputProbability(0.0, 0.0, 0.0, True, 0.0, 0, _NEG_INF, 0)
 
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         with torch.no_grad():
             scorer = _NextTokenScorer(model, prompt.to(device), temperature, use_cache)
             vocab = scorer.prompt_logprobs.shape[-1]
@@ -252,8 +252,6 @@ def bad_output_probability(
                 if ids and ids[-1] >= vocab:
                     raise ValueError(f"{name} holds id {ids[-1]}, outside the model's {vocab} output logits.")
             result = _enumerate(scorer, bad, stops, vocab, max_new_tokens, prune_below, batch_size, max_prefixes)
-    finally:
-        model.train(was_training)
     return result
 
 

@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 from ..ops.logprobs import logprobs_from_logits
 from ..rollout.generator import causal_lm_outputs
 from ..rollout.negdata import read_negative_data
+from ..utils import eval_mode
 from .metrics import group_logprob_summary
 from .report import write_json_report
 
@@ -209,16 +210,12 @@ def eval_negative_data(
     order = sorted(range(len(pairs)), key=lambda j: -(len(pairs[j][0]) + len(pairs[j][1])))
     logprobs = torch.zeros(len(pairs), dtype=torch.float32)
     starts = range(0, len(order), batch_size)
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         for s in tqdm(starts, desc="eval_negative_data", unit="batch", disable=not show_progress):
             chunk = order[s : s + batch_size]
             logprobs[chunk] = sequence_logprobs(
                 model, [pairs[j] for j in chunk], pad_token_id=tokenizer.pad_token_id, padding_side=padding_side
             )
-    finally:
-        model.train(was_training)
 
     keys = [_prompt_key(row["prompt"]) for _, row in unique]
     per_prompt, overall = group_logprob_summary(keys, logprobs.double().numpy())

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..utils import eval_mode
 from .reward import apply_reward_normalization, get_sequence_scores, load_reward_model
 
 logger = logging.getLogger(__name__)
@@ -137,10 +138,8 @@ def _batched_model_scores(
 ) -> torch.Tensor:
     """Score ``n`` rows in chunks under ``no_grad`` and eval mode; ``encode(start, stop)`` gives tokenised inputs."""
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     out = []
-    try:
+    with eval_mode(model):
         with torch.no_grad():
             for start in range(0, n, batch_size):
                 batch = encode(start, min(n, start + batch_size))
@@ -148,8 +147,6 @@ def _batched_model_scores(
                 out.append(
                     get_sequence_scores(model, inputs.pop("input_ids"), inputs.pop("attention_mask"), **inputs).cpu()
                 )
-    finally:
-        model.train(was_training)
     return torch.cat(out)
 
 

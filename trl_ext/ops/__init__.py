@@ -20,7 +20,9 @@ from .packing import (
 from .rewards import TokenRewards, assemble_token_rewards, clamp_scores
 from .sequences import (
     TruncatedResponses,
+    extend_mask_past_last,
     first_true_index,
+    group_rows,
     last_token_index,
     position_ids_from_attention_mask,
     response_mask_from_eos,
@@ -29,6 +31,8 @@ from .sequences import (
 from .stats import masked_mean, masked_normalize, masked_std, masked_sum, masked_var, masked_whiten
 
 __all__ = [
+    "extend_mask_past_last",
+    "group_rows",
     # stats
     "masked_mean",
     "masked_normalize",

@@ -13,6 +13,8 @@ from typing import NamedTuple
 import torch
 
 __all__ = [
+    "extend_mask_past_last",
+    "group_rows",
     "last_token_index",
     "first_true_index",
     "TruncatedResponses",
@@ -133,3 +135,35 @@ def position_ids_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tens
     real = attention_mask != 0
     pos = real.long().cumsum(dim=-1) - 1
     return torch.where(real, pos, torch.ones_like(pos))
+
+
+def group_rows(
+    x: torch.Tensor, *, samples_per_prompt: int | None = None, num_prompts: int | None = None, what: str = "tensor"
+) -> torch.Tensor:
+    """``(B, ...)`` rows ordered prompt by prompt (the N samples of a prompt adjacent) → ``(P, N, ...)``.
+
+    Give exactly one of ``samples_per_prompt`` (N) and ``num_prompts`` (P); ``B`` must be a multiple of it, else a
+    ``ValueError`` names ``what``. A view when ``x`` is contiguous.
+    """
+    if (samples_per_prompt is None) == (num_prompts is None):
+        raise ValueError("group_rows: give exactly one of samples_per_prompt and num_prompts.")
+    rows, size = x.shape[0], samples_per_prompt or num_prompts
+    if size <= 0 or rows % size:
+        unit = "samples per prompt" if samples_per_prompt else "prompts of the batch"
+        raise ValueError(f"{what} has {rows} rows, not a multiple of the {size} {unit}.")
+    if samples_per_prompt is not None:
+        return x.reshape(rows // size, size, *x.shape[1:])
+    return x.reshape(size, rows // size, *x.shape[1:])
+
+
+def extend_mask_past_last(mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` with one more valid position right after each row's last valid one (when it is inside the row).
+
+    TRL ≤ 1.12's PPO put the score one position after the last response token (``sequence_lengths + 1``, kept in
+    range) and trained the value there too (its ``padding_mask_p1``); this is that mask. A row with no valid position
+    stays empty.
+    """
+    keep = mask != 0
+    after = torch.zeros_like(keep)
+    after[:, 1:] = keep[:, :-1]
+    return (keep | after).to(mask.dtype)

@@ -321,7 +321,8 @@ def forward_response(
     The one forward pass used for sampling-time log-probs, reference log-probs and the training loss. Positions come
     from the mask; only the ``T + 1`` last logits are computed when the model supports ``logits_to_keep``; log-probs
     are ``log_softmax(logits / temperature)`` at the tokens, chunked (:func:`trl_ext.ops.logprobs_from_logits`).
-    ``V_t`` is the critic output at the position *before* token ``t`` (the state the action is taken in). Gradients
+    ``V_t`` is the critic output at the position *before* token ``t`` (the state the action is taken in), zero where
+    that position is padding (so it is kept one position past the response's last token). Gradients
     flow through log-probs and values (entropies are computed without gradient, for logging). ``vision``: the rows'
     image inputs (vision-language models).
     """
@@ -345,8 +346,11 @@ def forward_response(
         value = getattr(out, "value", None)
         if value is None:
             raise ValueError(f"{type(model).__name__} returned no `value`: it has no critic to read values from.")
+        # V_t is read after the token before t: it is a real state, kept, whenever that token is real (so also one
+        # position past a response's last token, where TRL 1.12's score position trains it); zero elsewhere.
+        state = attention_mask[:, -(T + 1) : -1] != 0
         value = value[:, -(T + 1) : -1].float()
-        result.values = torch.where(keep, value, torch.zeros_like(value))
+        result.values = torch.where(state, value, torch.zeros_like(value))
     return result
 
 
@@ -404,12 +408,8 @@ class RolloutReward:
             target = param.device if param is not None else device
             ids = torch.cat([prompt_ids, response_ids], 1).to(target)
             mask = torch.cat([prompt_mask, response_mask], 1).to(target)
-            was_training = self.model.training
-            self.model.eval()
-            try:
+            with eval_mode(self.model):
                 return get_sequence_scores(self.model, ids, mask).float().to(device)
-            finally:
-                self.model.train(was_training)
         kwargs = {"images": reward_images(vision)} if self.uses_images else {}
         ids_and_masks = (prompt_ids, response_ids, self.tokenizer, prompt_mask, response_mask)
         scores = self.function.score_token_ids(*ids_and_masks, **kwargs)
@@ -465,7 +465,9 @@ class RolloutGenerator:
         return self.accelerator.unwrap_model(model) if self.accelerator is not None else model
 
     @contextlib.contextmanager
-    def _generation_model(self, model: nn.Module) -> Iterator[nn.Module]:
+    def generation_model(self, model: nn.Module) -> Iterator[nn.Module]:
+        """The policy of the (possibly DDP/DeepSpeed/FSDP-wrapped) trained ``model``, ready to ``generate``: unwrapped,
+        with ZeRO-3 weights gathered for the block when asked (`trl.models.unwrap_model_for_generation`)."""
         if self.accelerator is None:
             yield self.policy_of(model)
             return
@@ -513,7 +515,7 @@ class RolloutGenerator:
         prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
         vision = vision.repeat_interleave(n) if vision is not None else None
         start = time.perf_counter()
-        with self._generation_model(model) as policy:
+        with self.generation_model(model) as policy:
             responses, response_mask, contains_stop, sampled_logprobs = generate_responses(
                 policy, prompt_ids, prompt_mask, self.settings, self.forward_batch_size, return_logprobs=True,
                 vision=vision,
@@ -526,9 +528,7 @@ class RolloutGenerator:
         mask = torch.cat([prompt_mask, response_mask], 1)
         T = responses.shape[1]
         parts: dict[str, list[torch.Tensor]] = {"logprobs": [], "ref_logprobs": [], "values": [], "scores": []}
-        was_training = model.training
-        model.eval()
-        try:
+        with eval_mode(model):
             with torch.no_grad(), self._autocast():
                 for s in range(0, ids.shape[0], self.forward_batch_size):
                     rows = slice(s, s + self.forward_batch_size)
@@ -553,8 +553,6 @@ class RolloutGenerator:
                     parts["ref_logprobs"].append(ref.logprobs)
                     batch = (prompt_ids[rows], prompt_mask[rows], responses[rows], response_mask[rows])
                     parts["scores"].append(self.reward(*batch, row_vision))
-        finally:
-            model.train(was_training)
         scores = torch.cat(parts["scores"])
         if self.missing_eos_penalty is not None:
             scores = torch.where(contains_stop, scores, scores - self.missing_eos_penalty)

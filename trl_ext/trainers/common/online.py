@@ -38,8 +38,9 @@ from ...rollout.vision import (
 )
 from . import checkpoint as ckpt
 from .metrics import log_completions_table, print_completions_table
+from .model_card import base_model_of, complete_card_text, write_text_atomically
 
-__all__ = ["OnlineTrainerMixin", "forked_rng"]
+__all__ = ["OnlineTrainerMixin", "forked_rng", "hub_push_errors"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,35 @@ def forked_rng() -> Iterator[None]:
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         yield
+
+
+@contextlib.contextmanager
+def hub_push_errors(trainer, creating: bool = False) -> Iterator[None]:
+    """Turn a Hub that cannot be reached during a push (no network, ``HF_HUB_OFFLINE=1``) into a `ConnectionError`
+    that names the repository and the folder the model is saved in, instead of httpx's bare "Connection refused".
+    ``creating``: the repository is being created, before training (nothing is saved yet)."""
+    import httpx
+    from huggingface_hub import constants
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    try:
+        yield
+    except (httpx.TransportError, OfflineModeIsEnabled) as err:
+        offline = isinstance(err, OfflineModeIsEnabled)
+        reason = "offline mode is on: HF_HUB_OFFLINE=1" if offline else f"{type(err).__name__}: {err}"
+        output_dir = trainer.args.output_dir
+        repo = getattr(trainer, "hub_model_id", None) or trainer.args.hub_model_id or os.path.basename(output_dir)
+        if creating:
+            raise ConnectionError(
+                f"Could not create the Hub repository {repo!r} at {constants.ENDPOINT} ({reason}) before training: "
+                "make the Hub reachable (check HF_ENDPOINT, HF_HUB_OFFLINE and the network), or train with "
+                "push_to_hub=False and push afterwards with `trainer.push_to_hub()`."
+            ) from err
+        raise ConnectionError(
+            f"Could not push to the Hub repository {repo!r} at {constants.ENDPOINT} ({reason}). The model is saved in "
+            f"{output_dir!r}: upload it once the Hub is reachable with `hf upload {repo} {output_dir}` (or "
+            "`trainer.push_to_hub()`), or train with push_to_hub=False."
+        ) from err
 
 
 class OnlineTrainerMixin(abc.ABC):
@@ -65,7 +95,10 @@ class OnlineTrainerMixin(abc.ABC):
     def _begin_setup(self, args, processing_class, train_dataset, reward_model) -> None:
         """First step of a constructor: check what every online trainer needs, set ``self.tokenizer`` and
         ``self.stop_token_id``, and seed (as `Trainer` does for ``model_init``) so that weights created while building
-        the models (a value head, a modulation, LoRA adapters) are reproducible from ``args.seed``."""
+        the models (a value head, a modulation, LoRA adapters) are reproducible from ``args.seed``.
+
+        It also sets every attribute the mixin's later steps read (``reward_model``, ``vision_spec``), so that they do
+        not depend on what the subclass happened to set before calling them."""
         if not isinstance(args, self._config_class):
             raise TypeError(f"args must be a trl_ext {self._config_class.__name__}, got {type(args).__name__}.")
         if train_dataset is None:
@@ -78,6 +111,8 @@ class OnlineTrainerMixin(abc.ABC):
             )
         self.tokenizer = tokenizer_of(processing_class)
         self._processing_class = processing_class  # a processor, for vision-language policies
+        self.reward_model = reward_model  # a trainer may replace it with a prepared one; _prepare_datasets reads it
+        self.vision_spec = None  # set by _prepare_datasets
         check_pad_token(self.tokenizer)
         self.stop_token_id = self.tokenizer.eos_token_id if args.stop_token == "eos" else args.stop_token_id
         enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
@@ -95,7 +130,7 @@ class OnlineTrainerMixin(abc.ABC):
         (:func:`~trl_ext.rollout.vision.prepare_vision_dataset`) and ``self.vision_spec`` is set (``None``
         otherwise); a trainer that passes no ``model`` takes no images."""
         self.vision_spec = vision_setup(self._processing_class, model, train_dataset, trainer=type(self).__name__)
-        check_reward_images(self.vision_spec, getattr(self, "reward_model", None), args.reward_uses_images)
+        check_reward_images(self.vision_spec, self.reward_model, args.reward_uses_images)
         prepare = self._prepare_prompts
         train_dataset = prepare(train_dataset, "train_dataset", args.dataset_num_proc)
         if isinstance(eval_dataset, dict):
@@ -107,14 +142,14 @@ class OnlineTrainerMixin(abc.ABC):
         return train_dataset, eval_dataset
 
     def _prepare_prompts(self, dataset, name: str, num_proc: int | None = None):
-        spec = check_dataset_images(getattr(self, "vision_spec", None), dataset, name)
+        spec = check_dataset_images(self.vision_spec, dataset, name)
         if spec is None:
             return prepare_prompt_dataset(dataset, self.tokenizer, num_proc=num_proc, name=name)
         return prepare_vision_dataset(dataset, self._processing_class, spec.image_column, num_proc=num_proc, name=name)
 
     def _default_collator(self):
         """Left-padded prompts; with images, the processor's batch and its image inputs (``vision``)."""
-        spec = getattr(self, "vision_spec", None)
+        spec = self.vision_spec
         if spec is not None:
             return VisionPromptCollator(self._processing_class, spec)
         return PromptCollator(self.tokenizer.pad_token_id)
@@ -242,11 +277,49 @@ class OnlineTrainerMixin(abc.ABC):
         state_dict, gathered = self._gathered_state_dict()
         if self.args.should_save and gathered:
             self._write_models(output_dir, state_dict)
+        if _internal_call and output_dir != os.path.normpath(self.args.output_dir):
+            self._write_checkpoint_card(output_dir)  # a checkpoint: before `Trainer` writes trainer_state.json
         if not _internal_call:
-            hub_id = self.args.hub_model_id
-            self.create_model_card(model_name=hub_id.split("/")[-1] if hub_id else os.path.basename(output_dir))
+            self.create_model_card(model_name=self._card_model_name())
             if self.args.push_to_hub:
-                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+                with hub_push_errors(self):
+                    self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def init_hf_repo(self, token: str | None = None, **kwargs) -> None:
+        """`Trainer.init_hf_repo` (creates the Hub repository when ``push_to_hub``), with a clear error when the Hub
+        cannot be reached (:func:`hub_push_errors`)."""
+        with hub_push_errors(self, creating=True):
+            return super().init_hf_repo(token=token, **kwargs)
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, **kwargs):
+        """`Trainer.push_to_hub`, with a clear error when the Hub cannot be reached (:func:`hub_push_errors`)."""
+        with hub_push_errors(self):
+            return super().push_to_hub(commit_message, blocking, **kwargs)
+
+    def _card_model_name(self) -> str:
+        hub_id = self.args.hub_model_id
+        return hub_id.split("/")[-1] if hub_id else os.path.basename(os.path.normpath(self.args.output_dir))
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags=None) -> None:
+        """TRL's model card in ``output_dir/README.md``, naming the base model when it is a local folder or was built
+        from a config (TRL writes "[None]" there) and pointing the quick start at ``output_dir`` when the run has
+        no Hub id (:mod:`~trl_ext.trainers.common.model_card`)."""
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        if not self.is_world_process_zero():
+            return
+        path = os.path.join(self.args.output_dir, "README.md")
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        location = self.args.hub_model_id or os.path.abspath(self.args.output_dir)
+        write_text_atomically(path, complete_card_text(text, base_model_of(self.model), location))
+
+    def _write_checkpoint_card(self, checkpoint_dir: str) -> None:
+        """The model card of a checkpoint (TRL ≤ 1.12 wrote one at every save): ``output_dir/README.md`` as
+        :meth:`create_model_card` writes it, and a copy in the checkpoint folder."""
+        self.create_model_card(model_name=self._card_model_name())
+        if self.is_world_process_zero() and os.path.isdir(checkpoint_dir):
+            with open(os.path.join(self.args.output_dir, "README.md"), encoding="utf-8") as f:
+                write_text_atomically(os.path.join(checkpoint_dir, "README.md"), f.read())
 
     def _gathered_state_dict(self) -> tuple[dict | None, bool]:
         """``(state_dict, ok)``: the full state dict of the trained module under DeepSpeed / FSDP (``None``
@@ -277,7 +350,7 @@ class OnlineTrainerMixin(abc.ABC):
         """One response per left-padded prompt of the model being trained (sampled with ``settings``), scored by the
         reward: rows ``{"query", column, "score"}``. ``vision``: the prompts' image inputs."""
         generator = self.rollout_generator
-        with generator._generation_model(self.model_wrapped) as policy:
+        with generator.generation_model(self.model_wrapped) as policy:
             responses, response_mask, _ = generate_responses(
                 policy, ids, mask, settings, self.args.local_rollout_forward_batch_size, vision=vision
             )

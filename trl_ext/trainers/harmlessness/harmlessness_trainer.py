@@ -47,6 +47,7 @@ from ...rollout.generator import (
 )
 from ...rollout.negdata import NegativeDataWriter
 from ...rollout.vision import check_vision_models, concat_vision
+from ...utils import eval_mode
 from ..common.metrics import PPOMetrics
 from ..common.online import OnlineTrainerMixin
 from ..proposal.twist_step import TwistLossOutput, twist_loss
@@ -349,13 +350,9 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
     def _policy_logprobs(self, rollout: Rollout) -> torch.Tensor:
         """``log p_θ`` of the current policy on ``rollout``'s samples, no gradient, eval mode (chunked)."""
         policy = self.policy
-        was_training = policy.training
-        policy.eval()
-        try:
+        with eval_mode(policy):
             with self.accelerator.autocast():
                 return self._logprobs_of(policy, rollout)
-        finally:
-            policy.train(was_training)
 
     def _logprobs_of(self, model: nn.Module, rollout: Rollout) -> torch.Tensor:
         return rollout_logprobs(model, rollout, self.args.local_rollout_forward_batch_size, self.args.temperature)

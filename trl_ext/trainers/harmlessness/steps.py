@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ...losses.weights import effective_sample_size
-from ...ops import kl_estimate, masked_sum
+from ...ops import group_rows, kl_estimate, masked_sum
 from ...rewards import RewardShaping
 from ...rollout.generator import Rollout
 
@@ -80,8 +80,8 @@ def log_spaced_value(start: float, end: float, index: int, total: int) -> float:
 
 
 def group(x: torch.Tensor, num_samples_per_prompt: int) -> torch.Tensor:
-    """``(B, ...)`` rows grouped prompt by prompt → ``(P, N, ...)``."""
-    return x.reshape(-1, num_samples_per_prompt, *x.shape[1:])
+    """``(B, ...)`` rows grouped prompt by prompt → ``(P, N, ...)`` (:func:`trl_ext.ops.group_rows`)."""
+    return group_rows(x, samples_per_prompt=num_samples_per_prompt, what="a RePULSe batch")
 
 
 def stack_rollouts(rollouts: list[Rollout]) -> tuple[torch.Tensor, torch.Tensor, int]:

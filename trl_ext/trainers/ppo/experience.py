@@ -73,17 +73,24 @@ def minibatch_counts(
 
 @dataclass
 class Experience:
-    """A rollout with its advantages/returns, its schedule and the normalizer of each micro-step."""
+    """A rollout with its advantages/returns, its schedule and the normalizer of each micro-step.
+
+    ``value_mask``/``value_normalizers``: the positions and per-micro-step counts of the value loss when they differ
+    from the response mask's (``score_position="after_last_token"``); ``None`` otherwise.
+    """
 
     rollout: Rollout
     advantages: torch.Tensor
     returns: torch.Tensor | None
     schedule: list[torch.Tensor]
     normalizers: list[float]
+    value_mask: torch.Tensor | None = None
+    value_normalizers: list[float] | None = None
 
     def micro_batch(self, position: int) -> dict:
         """The inputs of micro-step ``position``: ``input_ids``, ``attention_mask``, ``response_mask``,
-        ``old_logprobs``, ``advantages``, ``normalizer`` and, with a critic, ``returns`` and ``old_values``; with
+        ``old_logprobs``, ``advantages``, ``normalizer`` and, with a critic, ``returns`` and ``old_values`` (and
+        ``value_mask``/``value_normalizer`` when the value loss has its own mask); with
         images, ``vision`` (the rows' image inputs)."""
         idx = self.schedule[position].to(self.advantages.device)
         r = self.rollout
@@ -91,7 +98,8 @@ class Experience:
         # response) are dropped: they change no result (positions come from the mask) and cost compute.
         prompt_mask, response_mask = r.prompt_mask[idx], r.response_mask[idx]
         first = int(prompt_mask.any(0).int().argmax()) if prompt_mask.any() else 0
-        used = response_mask.any(0)
+        value_mask = self.value_mask[idx] if self.value_mask is not None else None
+        used = (value_mask if value_mask is not None else response_mask).any(0)
         width = int(used.nonzero().max()) + 1 if used.any() else 1
         batch = {
             "input_ids": torch.cat([r.prompt_ids[idx][:, first:], r.response_ids[idx][:, :width]], dim=1),
@@ -105,6 +113,9 @@ class Experience:
             batch["returns"] = self.returns[idx][:, :width]
         if r.values is not None:
             batch["old_values"] = r.values[idx][:, :width]
+        if value_mask is not None:
+            batch["value_mask"] = value_mask[:, :width]
+            batch["value_normalizer"] = self.value_normalizers[position]
         if r.vision is not None:  # image placeholders are real tokens: trimming never cuts them
             batch["vision"] = r.vision[idx]
         return batch
@@ -117,6 +128,8 @@ class Experience:
             "returns": None if self.returns is None else self.returns.cpu(),
             "schedule": [s.cpu() for s in self.schedule],
             "normalizers": list(self.normalizers),
+            "value_mask": None if self.value_mask is None else self.value_mask.cpu(),
+            "value_normalizers": None if self.value_normalizers is None else list(self.value_normalizers),
         }
 
     @classmethod
@@ -127,4 +140,6 @@ class Experience:
             returns=None if state["returns"] is None else state["returns"].to(device),
             schedule=list(state["schedule"]),
             normalizers=list(state["normalizers"]),
+            value_mask=None if state.get("value_mask") is None else state["value_mask"].to(device),
+            value_normalizers=None if state.get("value_normalizers") is None else list(state["value_normalizers"]),
         )

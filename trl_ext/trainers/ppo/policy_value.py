@@ -100,8 +100,9 @@ class PolicyAndValueModel(ModelParts):
 
     def critic_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, vision=None):
         """``(B, T)`` fp32 values ``V_t`` of the state before each of the last ``T = response_length`` tokens, zero
-        on padding — without running the policy when the critic is a separate model (rollout scoring, whose
-        sampling-time log-probs come from ``generate``). ``vision``: the rows' image inputs (value head only)."""
+        where that state is padding (as in :func:`~trl_ext.rollout.generator.forward_response`), without running the
+        policy when the critic is a separate model (rollout scoring, whose sampling-time log-probs come from
+        ``generate``). ``vision``: the rows' image inputs (value head only)."""
         if not self.has_critic:
             raise ValueError("This PolicyAndValueModel has no critic to read values from.")
         T = response_length
@@ -113,7 +114,7 @@ class PolicyAndValueModel(ModelParts):
             position_ids = position_ids_from_attention_mask(attention_mask)
             value = self(input_ids, attention_mask, position_ids=position_ids, logits_to_keep=T + 1).value
         value = value[:, -(T + 1) : -1].float()
-        return torch.where(attention_mask[:, -T:] != 0, value, torch.zeros_like(value))
+        return torch.where(attention_mask[:, -(T + 1) : -1] != 0, value, torch.zeros_like(value))
 
 
 def build_ppo_models(args, model: nn.Module, ref_model: nn.Module | None, value_model: nn.Module | None, peft_config):

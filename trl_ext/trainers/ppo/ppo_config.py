@@ -93,6 +93,10 @@ class PPOConfig(OnlineConfig):
             Whether to whiten the rewards.
         reward_clip (`float`, *optional*):
             trl_ext addition. Clip scores to `[-reward_clip, reward_clip]` before they enter the rewards.
+        score_position (`str`, *optional*, defaults to `"last_token"`):
+            trl_ext addition. Where the score enters the per-token rewards: `"last_token"` (the last response token,
+            the action the score judges) or `"after_last_token"` (TRL <= 1.12: one position later when the response
+            is shorter than `response_length`, with the critic trained there too; reproduces 1.12's numbers).
 
         > Parameters that control the optimisation
 
@@ -230,6 +234,15 @@ class PPOConfig(OnlineConfig):
         default=None,
         metadata={"help": "Clip scores to [-reward_clip, reward_clip] before they enter the rewards (None: off)."},
     )
+    score_position: Literal["last_token", "after_last_token"] = field(
+        default="last_token",
+        metadata={
+            "help": "Where the score enters the per-token rewards: 'last_token' (the last response token, the action "
+            "the score judges) or 'after_last_token' (TRL <= 1.12's position: one past the last token when the "
+            "response is shorter than response_length, where the critic is also trained; the advantage of the last "
+            "token then sees the score through gamma*lam). Use 'after_last_token' to reproduce TRL 1.12's numbers."
+        },
+    )
 
     # ---------------------------------------------------------------------------------------- optimisation
     num_ppo_epochs: int = field(default=4, metadata={"help": "Number of epochs to train."})
@@ -334,6 +347,7 @@ class PPOConfig(OnlineConfig):
         super()._validate()
         fail = self._fail
         self._check_choice("kl_estimator", KL_ESTIMATORS)
+        self._check_choice("score_position", ("last_token", "after_last_token"))
         if self.top_k is not None and self.top_k < 0:
             fail(f"top_k={self.top_k}: set top_k >= 0 (None or 0: off).")
         if not 0.0 < self.top_p <= 1.0:

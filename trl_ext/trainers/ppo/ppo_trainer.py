@@ -28,7 +28,14 @@ from trl.trainer.base_trainer import _BaseTrainer
 
 from ...losses import LossOutput, get_loss, get_loss_spec
 from ...losses.reinforce import compute_baseline
-from ...ops import assemble_token_rewards, gae_advantages, kl_estimate, masked_sum, masked_whiten
+from ...ops import (
+    assemble_token_rewards,
+    extend_mask_past_last,
+    gae_advantages,
+    kl_estimate,
+    masked_sum,
+    masked_whiten,
+)
 from ...rollout.data import left_padded
 from ...rollout.generator import Rollout, RolloutReward, forward_response
 from ...rollout.vision import check_vision_critic, check_vision_models
@@ -36,6 +43,7 @@ from ..common import checkpoint as ckpt
 from ..common.checks import refuse_same_object
 from ..common.metrics import PPOMetrics, rollout_metrics
 from ..common.online import OnlineTrainerMixin, forked_rng
+from .compat import TRL112Attributes
 from .experience import Experience, minibatch_counts, padded_lengths, ppo_schedule, schedule_position
 from .policy_value import PolicyAndValueModel, build_ppo_models
 from .ppo_config import PPOConfig
@@ -56,7 +64,7 @@ class PPORewards(NamedTuple):
     """The per-token KL estimate (``kl_estimator``)."""
 
 
-class PPOTrainer(OnlineTrainerMixin, _BaseTrainer):
+class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
     """Trainer for Proximal Policy Optimization (PPO) of language models, with TRL 1.12's constructor.
 
     Args:
@@ -172,6 +180,7 @@ class PPOTrainer(OnlineTrainerMixin, _BaseTrainer):
         self._sample_every = (
             max(1, args.num_total_batches // args.num_sample_generations) if args.num_sample_generations else 0
         )
+        args.sample_generations_freq = self._sample_every  # where TRL 1.12 kept it
 
     # ------------------------------------------------------------------------------------- Trainer plumbing
     def get_train_dataloader(self) -> DataLoader:
@@ -180,12 +189,15 @@ class PPOTrainer(OnlineTrainerMixin, _BaseTrainer):
 
     def set_initial_training_values(self, args, dataloader):
         """`Trainer`'s values with PPO's number of optimizer steps: ``num_total_batches × updates_per_rollout``."""
-        values = list(super().set_initial_training_values(args, dataloader))
-        per_epoch = values[1]
-        values[0] = max(1, math.ceil(self._max_steps / per_epoch))  # num_train_epochs
-        values[3] = args.total_episodes if args.max_steps <= 0 else self._max_steps * args.mini_batch_size
-        values[6] = self._max_steps
-        return tuple(values)
+        (_, per_epoch, num_examples, _, total_train_batch_size, steps_in_epoch, _) = (
+            super().set_initial_training_values(args, dataloader)
+        )
+        num_train_epochs = max(1, math.ceil(self._max_steps / per_epoch))
+        num_train_samples = args.total_episodes if args.max_steps <= 0 else self._max_steps * args.mini_batch_size
+        return (
+            num_train_epochs, per_epoch, num_examples, num_train_samples, total_train_batch_size, steps_in_epoch,
+            self._max_steps,
+        )  # fmt: skip
 
     def _start_training(self, resume_from_checkpoint: str | None) -> None:
         self._resume_path = resume_from_checkpoint
@@ -201,9 +213,9 @@ class PPOTrainer(OnlineTrainerMixin, _BaseTrainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save the policy at ``output_dir`` (HF format, or the adapter under PEFT), the critic in ``value_model/``,
-        the tokenizer and the training arguments (and, outside checkpoints, the model card; pushed with
-        ``push_to_hub``). In a checkpoint taken in the middle of a rollout, the rollout is saved too, so that resuming
-        continues it exactly."""
+        the tokenizer, the training arguments and the model card (pushed with ``push_to_hub`` outside checkpoints).
+        In a checkpoint taken in the middle of a rollout, the rollout is saved too, so that resuming continues it
+        exactly."""
         super().save_model(output_dir, _internal_call)
         if _internal_call and self._experience is not None and self._micro_step % self._micro_steps_per_rollout:
             output_dir = os.path.normpath(output_dir if output_dir is not None else self.args.output_dir)
@@ -268,7 +280,20 @@ class PPOTrainer(OnlineTrainerMixin, _BaseTrainer):
         rewards = self.compute_rewards(rollout)
         advantages, returns = self.compute_advantages(rollout, rewards)
         schedule = self._schedule(rollout_index, rollout)
-        experience = Experience(rollout, advantages, returns, schedule, self._normalizers(rollout, schedule))
+        normalizers = self._normalizers(rollout.response_mask, schedule)
+        value_mask = value_normalizers = None
+        if returns is not None and self.args.score_position == "after_last_token":
+            value_mask = self.score_mask(rollout.response_mask)
+            value_normalizers = self._normalizers(value_mask, schedule)
+        experience = Experience(
+            rollout,
+            advantages,
+            returns,
+            schedule,
+            normalizers,
+            value_mask=value_mask,
+            value_normalizers=value_normalizers,
+        )
         self._log_rollout(rollout, rewards, rollout_index)
         return experience
 
@@ -285,11 +310,11 @@ class PPOTrainer(OnlineTrainerMixin, _BaseTrainer):
             lengths=lengths,
         )
 
-    def _normalizers(self, rollout: Rollout, schedule: list[torch.Tensor]) -> list[float]:
-        """Each micro-step's minibatch count (sequences or tokens), averaged over processes (DDP averages the
-        gradients, so the per-process loss is divided by ``global count / num_processes``)."""
+    def _normalizers(self, mask: torch.Tensor, schedule: list[torch.Tensor]) -> list[float]:
+        """Each micro-step's minibatch count (sequences or tokens of ``mask``), averaged over processes (DDP
+        averages the gradients, so the per-process loss is divided by ``global count / num_processes``)."""
         accumulation = self.args.gradient_accumulation_steps
-        counts = minibatch_counts(schedule, rollout.response_mask, self.args.loss_aggregation, accumulation)
+        counts = minibatch_counts(schedule, mask, self.args.loss_aggregation, accumulation)
         counts = self.accelerator.reduce(counts, reduction="mean").tolist()
         return [counts[i // accumulation] for i in range(len(schedule))]
 
@@ -300,30 +325,44 @@ class PPOTrainer(OnlineTrainerMixin, _BaseTrainer):
         with images). Override to change how experience is collected."""
         return self.rollout_generator(model, prompt_ids, prompt_mask, vision=vision)
 
+    def score_mask(self, response_mask: torch.Tensor) -> torch.Tensor:
+        """The positions the rewards (and, with a critic, the returns and the value loss) cover: the response mask,
+        extended by one position past each response's last token with ``score_position="after_last_token"``
+        (TRL ≤ 1.12's ``padding_mask_p1``; `trl_ext.ops.extend_mask_past_last`)."""
+        if self.args.score_position == "after_last_token":
+            return extend_mask_past_last(response_mask)
+        return response_mask
+
     def compute_rewards(self, rollout: Rollout) -> PPORewards:
         """Per-token rewards: the KL estimate (``kl_estimator``) times ``−kl_coef`` on every response token, plus
-        the score (clipped to ``reward_clip``) at the last one (`trl_ext.ops.assemble_token_rewards`); whitened
-        (mean kept) with ``whiten_rewards``."""
+        the score (clipped to ``reward_clip``) at the last position of :meth:`score_mask` (the last response token;
+        one later with ``score_position="after_last_token"``, `trl_ext.ops.assemble_token_rewards`); whitened (mean
+        kept) over that mask with ``whiten_rewards``."""
         args, mask = self.args, rollout.response_mask
         kl = kl_estimate(rollout.logprobs, rollout.ref_logprobs, args.kl_estimator, mask)
-        rewards, non_score = assemble_token_rewards(kl, rollout.scores, mask, args.kl_coef, clamp=args.reward_clip)
+        score_mask = self.score_mask(mask)
+        rewards, non_score = assemble_token_rewards(
+            kl, rollout.scores, score_mask, args.kl_coef, clamp=args.reward_clip
+        )
         if args.whiten_rewards:
-            rewards = masked_whiten(rewards, mask, shift_mean=False)
+            rewards = masked_whiten(rewards, score_mask, shift_mean=False)
         return PPORewards(rewards, non_score, kl)
 
     def compute_advantages(self, rollout: Rollout, rewards: PPORewards) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(advantages, returns)``, both ``(B, T)``.
 
-        With a critic: GAE(``gamma``, ``lam``) on the rewards and the rollout's values, advantages whitened over
-        the rollout (`trl_ext.ops.gae_advantages`, `masked_whiten`). Without (REINFORCE-type losses): the
+        With a critic: GAE(``gamma``, ``lam``) on the rewards and the rollout's values over :meth:`score_mask`,
+        advantages whitened over the response tokens (`trl_ext.ops.gae_advantages`, `masked_whiten`); returns cover
+        the score mask, as the value loss does. Without (REINFORCE-type losses): the
         sequence return (sum of the token rewards) minus ``reinforce_baseline`` computed per prompt group, the same
         value at every token of the sequence; ``returns`` is ``None``.
         """
         args, mask = self.args, rollout.response_mask
+        score_mask = self.score_mask(mask)
         if rollout.values is not None:
-            advantages, returns = gae_advantages(rewards.rewards, rollout.values, mask, args.gamma, args.lam)
+            advantages, returns = gae_advantages(rewards.rewards, rollout.values, score_mask, args.gamma, args.lam)
             return masked_whiten(advantages, mask), returns
-        returns_seq = masked_sum(rewards.rewards, mask, dim=-1)
+        returns_seq = masked_sum(rewards.rewards, score_mask, dim=-1)
         grouped = returns_seq.view(-1, rollout.num_samples_per_prompt)
         baseline = compute_baseline(grouped, args.reinforce_baseline, baseline_value=args.reinforce_baseline_value)
         advantages = (returns_seq - baseline.reshape(-1).to(returns_seq.dtype)).unsqueeze(-1)
@@ -349,11 +388,12 @@ class PPOTrainer(OnlineTrainerMixin, _BaseTrainer):
         )  # fmt: skip
 
     def compute_value_loss(self, values: torch.Tensor, batch: dict, normalizer: float) -> LossOutput:
-        """The clipped value loss of a micro-batch (`trl_ext.losses.clipped_value_loss`, ``cliprange_value``)."""
+        """The clipped value loss of a micro-batch (`trl_ext.losses.clipped_value_loss`, ``cliprange_value``) over
+        ``batch["value_mask"]`` (the :meth:`score_mask`; the response mask when absent)."""
         fn = get_loss("clipped_value", "value")
         args = self.args
         return fn(
-            values, batch["old_values"], batch["returns"], batch["response_mask"],
+            values, batch["old_values"], batch["returns"], batch.get("value_mask", batch["response_mask"]),
             cliprange_value=args.cliprange_value, aggregation=args.loss_aggregation, normalizer=normalizer,
         )  # fmt: skip
 
@@ -369,7 +409,8 @@ class PPOTrainer(OnlineTrainerMixin, _BaseTrainer):
         loss = policy.loss
         value = None
         if uses_critic:
-            value = self.compute_value_loss(out.values, inputs, inputs["normalizer"])
+            normalizer = inputs.get("value_normalizer", inputs["normalizer"])
+            value = self.compute_value_loss(out.values, inputs, normalizer)
             loss = loss + self.args.vf_coef * value.loss
         self._record_step(out.logprobs.detach(), out.entropy, inputs, policy, value)
         return (loss, out) if return_outputs else loss

@@ -38,6 +38,7 @@ from ...models.twist import (
     twist_values,
 )
 from ...ops.logprobs import DEFAULT_CHUNK_SIZE, entropy_from_logits, full_logprobs, logprobs_from_logits
+from ...ops.sequences import group_rows
 from ...rollout.generator import causal_lm_outputs
 from ...rollout.vision import concat_vision
 from ...utils import eval_mode, unwrap_model
@@ -315,13 +316,6 @@ def _all_vocab_twist(
     return step_all
 
 
-def _group(x: torch.Tensor, num_prompts: int, what: str) -> torch.Tensor:
-    rows = x.shape[0]
-    if rows % num_prompts:
-        raise ValueError(f"{what} has {rows} rows, not a multiple of the {num_prompts} prompts of the batch.")
-    return x.reshape(num_prompts, rows // num_prompts, *x.shape[1:])
-
-
 def twist_loss(
     model: nn.Module,
     batch: dict,
@@ -415,8 +409,8 @@ def twist_loss(
         psi_all = _all_vocab_twist(
             parameterization, logits, modulation, v, q_logprobs, p_logprobs, ref_all, temperature
         )
-        kwargs["log_psi_all"] = _group(psi_all, P, "log_psi_all")
-        kwargs["ref_logprobs_all"] = _group(ref_all, P, "ref_logprobs_all")
+        kwargs["log_psi_all"] = group_rows(psi_all, num_prompts=P, what="log_psi_all")
+        kwargs["ref_logprobs_all"] = group_rows(ref_all, num_prompts=P, what="ref_logprobs_all")
     if base_batch is not None:
         base_logits, base_modulation = outputs[1]
         base_T = base_batch["response_mask"].shape[1]
@@ -428,8 +422,8 @@ def twist_loss(
             parameterization, base_logits, base_modulation, base_tokens, base_mask, base_q,
             base_batch.get("ref_logprobs"), temperature,
         )  # fmt: skip
-        kwargs["base_v"] = _group(base_v, P, "base_batch")
-        kwargs["base_mask"] = _group(base_mask, P, "base_batch")
+        kwargs["base_v"] = group_rows(base_v, num_prompts=P, what="base_batch")
+        kwargs["base_mask"] = group_rows(base_mask, num_prompts=P, what="base_batch")
 
     fn = get_loss_spec(loss_type, "twist").fn
     params = _parameters(fn)

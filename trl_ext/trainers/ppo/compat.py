@@ -1,0 +1,64 @@
+"""Attributes of TRL ≤ 1.12's ``PPOTrainer`` that migrated scripts read, on trl_ext's `PPOTrainer`.
+
+1.12 kept its own training loop and exposed its pieces: the prompt dataloaders, the per-process seed, the sampling
+cadence, whether the policy is a PEFT model and the context that runs the policy as its reference. trl_ext's trainer
+runs on `transformers.Trainer`, but the same names give the same things here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from torch.utils.data import DataLoader
+
+from ...models.lora import is_peft_model
+
+__all__ = ["TRL112Attributes"]
+
+
+class TRL112Attributes:
+    """Mixin of `PPOTrainer` (before `OnlineTrainerMixin` in the bases): TRL 1.12's public attributes."""
+
+    @property
+    def is_peft_model(self) -> bool:
+        """Whether the policy carries PEFT adapters (1.12: ``isinstance(model, PeftModel)``)."""
+        return is_peft_model(self.policy_model)
+
+    @contextlib.contextmanager
+    def null_ref_context(self) -> Iterator[None]:
+        """Run the policy as its own reference for the block: with a PEFT policy and no ``ref_model``, its adapters
+        are disabled (or ``ref_adapter_name`` is made active) and restored afterwards; otherwise nothing changes (the
+        reference is a separate model). As in 1.12, nothing is yielded."""
+        policy = self.accelerator.unwrap_model(self.model).policy
+        with self.reference.module(policy):
+            yield
+
+    @property
+    def dataloader(self) -> DataLoader:
+        """The training prompts, one rollout's worth per process and batch (``local_batch_size /
+        num_samples_per_prompt`` prompts), shuffled with ``seed``, prepared by the accelerator. `train` itself uses
+        :meth:`get_train_dataloader`, which repeats each batch once per optimisation micro-step."""
+        loader = self.__dict__.get("_trl112_dataloader")
+        if loader is None:
+            loader = self._prompt_dataloader(self._prompts_per_process)
+            self.__dict__["_trl112_dataloader"] = loader
+        return loader
+
+    @property
+    def eval_dataloader(self) -> DataLoader | None:
+        """The evaluation prompts, ``per_device_eval_batch_size`` per batch, in order (``None`` without an eval
+        dataset; 1.12 required one)."""
+        dataset = self._eval_prompts()
+        return None if dataset is None else self._eval_dataloader(dataset)
+
+    @property
+    def local_seed(self) -> int:
+        """This process's sampling seed: ``seed + 100003 × process_index`` (as in 1.12; `train` seeds with it)."""
+        return self.args.seed + 100003 * self.accelerator.process_index
+
+    @property
+    def sample_generations_freq(self) -> int:
+        """Updates between two printed sample tables (``num_total_batches // num_sample_generations``, at least 1;
+        ``0`` when ``num_sample_generations=0``). 1.12 stored it on ``args``; trl_ext sets it there too."""
+        return self._sample_every
