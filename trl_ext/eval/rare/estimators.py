@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 
@@ -17,7 +18,7 @@ from torch import nn
 
 from ._common import PhaseTimer, check_common, make_generator, progress
 from .distributions import InputDistribution
-from .estimate import Estimate, log_space_mean
+from .estimate import Estimate, log_space_mean, term_diagnostics, term_reasons
 from .target import target_logprob
 
 __all__ = ["DEFAULT_MAX_SUPPORT", "METHODS", "brute_force", "estimate_rare_output", "exact_probability"]
@@ -26,6 +27,7 @@ METHODS = ("exact", "brute_force", "itgis", "mhis")
 
 DEFAULT_MAX_SUPPORT = 10**6
 _LOG10 = math.log(10.0)
+logger = logging.getLogger(__name__)
 
 
 def exact_probability(
@@ -74,6 +76,7 @@ def exact_probability(
         seconds=timer.total,
         timings=timer.seconds,
         details={"max_log10_term": float(terms.max()) / _LOG10},
+        diagnostics={"exact": True},
     )
 
 
@@ -88,6 +91,11 @@ def brute_force(
     show_progress: bool = True,
 ) -> Estimate:
     """Plain Monte Carlo: ``p̂ = (1/n) Σ_i P(y|x_i)`` with ``x_i ~ D`` i.i.d.; ``SE = std_i P(y|x_i) / √n``.
+
+    Reliability (:attr:`Estimate.diagnostics`, :attr:`Estimate.reliable`): the :func:`~.estimate.term_diagnostics`
+    of the values ``P(y|x_i)``. Their ``term_ess`` is the effective number of hits (for 0/1 values exactly the
+    number of hits); below 10 the interval is flagged unreliable and a warning is logged, as it is when one input
+    carries more than 30% of the sum.
 
     Args:
         model: causal LM (run in eval mode, no grad).
@@ -115,7 +123,8 @@ def brute_force(
             bar.update(n)
     logps = torch.cat(logps)
     mean, se, log_mean = log_space_mean(logps)
-    return Estimate(
+    diagnostics = term_diagnostics(logps)
+    est = Estimate(
         method="brute_force",
         estimate=mean,
         std_error=se,
@@ -124,7 +133,9 @@ def brute_force(
         seconds=timer.total,
         timings=timer.seconds,
         details={"max_log10_p": float(logps.max()) / _LOG10, "seed": seed if seeded else None},
+        diagnostics=diagnostics,
     )
+    return est.flag(term_reasons(diagnostics, num_samples, "hits"), logger)
 
 
 def estimate_rare_output(

@@ -32,6 +32,7 @@ tensor is never built.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 
@@ -40,12 +41,13 @@ from torch import nn
 
 from ._common import PhaseTimer, check_common, make_generator, progress
 from .distributions import InputDistribution
-from .estimate import Estimate, effective_sample_size, log_space_mean
+from .estimate import Estimate, effective_sample_size, log_space_mean, term_diagnostics, term_reasons
 from .target import SCORES, evaluate_inputs, token_scores
 
 __all__ = ["importance_log_weights", "itgis", "itgis_temperature", "proposal_log_probs", "score_normaliser"]
 
 _LOG10 = math.log(10.0)
+logger = logging.getLogger(__name__)
 
 
 def score_normaliser(iteration: int, decay_rate: float) -> float:
@@ -111,6 +113,11 @@ def itgis(
     the error can come out too small. Compare two temperatures or seeds, and watch ``ess`` and
     ``details["log10_weight_range"]``.
 
+    Reliability (:attr:`Estimate.diagnostics`, :attr:`Estimate.reliable`): the :func:`~.estimate.term_diagnostics`
+    of the terms ``w_i·P(y|x_i)`` plus ``weight_ess`` (Kish ESS of the weights ``w_i``, the same as ``ess``). The
+    interval is flagged unreliable, with a logged warning, when fewer than 10 effective terms carry the estimate or
+    one term carries more than 30% of it.
+
     Args:
         model: causal LM (eval mode; gradients only w.r.t. the input embeddings).
         dist: the input distribution ``D``.
@@ -160,13 +167,15 @@ def itgis(
             bar.update(n)
     log_terms, log_weights = torch.cat(log_terms), torch.cat(log_weights)
     mean, se, log_mean = log_space_mean(log_terms)
-    return Estimate(
+    weight_ess = effective_sample_size(log_weights)
+    diagnostics = {**term_diagnostics(log_terms), "weight_ess": weight_ess}
+    est = Estimate(
         method="itgis",
         estimate=mean,
         std_error=se,
         num_samples=num_samples,
         log10_estimate=log_mean / _LOG10,
-        ess=effective_sample_size(log_weights),
+        ess=weight_ess,
         seconds=timer.total,
         timings=timer.seconds,
         details={
@@ -179,4 +188,6 @@ def itgis(
             "max_abs_tilt": float((scores / itgis_temperature(iteration - 1, temperature, decay_rate)).abs().max()),
             "log10_weight_range": [float(log_weights.min()) / _LOG10, float(log_weights.max()) / _LOG10],
         },
+        diagnostics=diagnostics,
     )
+    return est.flag(term_reasons(diagnostics, num_samples), logger)

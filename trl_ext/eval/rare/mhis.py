@@ -41,10 +41,17 @@ all the weight and the self-normalised estimate can be off by orders of magnitud
 below a tenth of the chains; raise ``T`` then. When the tilt is so strong that every chain sits on the same
 high-score input, the weights are all equal and the estimate is just ``P(y|x)`` of that input with a zero error:
 :func:`mhis` warns when fewer than 1% of the kept steps changed a chain's state.
+
+Reliability (:attr:`Estimate.diagnostics`, :attr:`Estimate.reliable`): besides those two checks, the estimate is
+flagged unreliable (and a warning logged) with fewer than 10 chains (the between-chain error then rests on too few
+values), or when the chain numerators ``A_c`` are carried by fewer than 10 effective chains or one chain carries
+more than 30% of their sum (:func:`~.estimate.term_diagnostics` over chains: ``chain_term_ess``,
+``max_chain_share``).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from collections.abc import Sequence
@@ -54,12 +61,13 @@ from torch import nn
 
 from ._common import PhaseTimer, check_common, make_generator, progress
 from .distributions import InputDistribution
-from .estimate import Estimate, effective_sample_size
+from .estimate import MIN_CHAINS, Estimate, effective_sample_size, tail_reasons, term_diagnostics, term_reasons
 from .target import SCORES, evaluate_inputs, token_scores
 
 __all__ = ["chain_ratio_estimate", "mh_log_acceptance", "mh_proposal_log_probs", "mhis"]
 
 _LOG10 = math.log(10.0)
+logger = logging.getLogger(__name__)
 
 
 def mh_proposal_log_probs(log_p_k: torch.Tensor, gain: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -213,6 +221,28 @@ def mhis(
     estimate, se, log_estimate, per_chain = chain_ratio_estimate(log_values, log_weights)
     chain_ess = effective_sample_size(torch.logsumexp(log_weights, 1))
     move_rate = moves / (num_chains * kept_steps)
+    chain_terms = term_diagnostics(torch.logsumexp(log_values + log_weights, 1))
+    state_terms = term_diagnostics(log_values + log_weights)
+    diagnostics = {
+        "num_chains": num_chains,
+        "chain_term_ess": chain_terms["term_ess"],
+        "max_chain_share": chain_terms["max_term_share"],
+        "chain_pareto_k": chain_terms["pareto_k"],
+        "pareto_k": state_terms["pareto_k"],
+        "max_term_share": state_terms["max_term_share"],
+        "term_ess": state_terms["term_ess"],
+        "chain_weight_ess": chain_ess,
+        "move_rate": move_rate,
+    }
+    reasons = []
+    if num_chains < MIN_CHAINS:
+        reasons.append(f"only {num_chains} chains (fewer than {MIN_CHAINS}) for the between-chain standard error")
+    reasons += term_reasons(chain_terms, num_chains, "chains", tail=False)
+    reasons += tail_reasons(state_terms, num_chains * kept_steps)
+    if move_rate < 0.01:
+        reasons.append(f"the chains changed their state in only {move_rate:.2%} of the kept steps")
+    if chain_ess < 0.1 * num_chains:
+        reasons.append(f"the chain-level weight ESS is {chain_ess:.1f} of {num_chains} chains")
     if move_rate < 0.01:
         warnings.warn(
             f"MHIS: the chains changed their state in only {move_rate:.2%} of the steps after burn-in (most "
@@ -229,7 +259,7 @@ def mhis(
             RuntimeWarning,
             stacklevel=2,
         )
-    return Estimate(
+    est = Estimate(
         method="mhis",
         estimate=estimate,
         std_error=se,
@@ -251,4 +281,6 @@ def mhis(
             "chain_weight_ess": chain_ess,
             "chain_log10_estimates": [v / _LOG10 for v in per_chain],
         },
+        diagnostics=diagnostics,
     )
+    return est.flag(reasons, logger)
