@@ -33,31 +33,17 @@ import warnings
 from pathlib import Path
 
 import torch
-from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from trl_ext.eval.rare import brute_force, exact_probability, itgis, mhis, uniform
+from trl_ext.testing import build_rare_output_lm
 
 VOCAB, LENGTH = 24, 3
 Z95 = 1.959963984540054
 
 
-def tiny_lm(head_scale: float) -> GPTNeoXForCausalLM:
+def tiny_lm(head_scale: float):
     """The tests' one-layer GPT-NeoX over 24 tokens (seed 0) with its LM head multiplied by ``head_scale``."""
-    torch.manual_seed(0)
-    config = GPTNeoXConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=32,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    model = GPTNeoXForCausalLM(config).eval()
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(head_scale)
-    return model
+    return build_rare_output_lm(head_scale, vocab_size=VOCAB)
 
 
 SETTINGS = {
@@ -68,7 +54,7 @@ SETTINGS = {
 }
 
 
-def make_setting(name: str) -> tuple[GPTNeoXForCausalLM, object, list[int], float, float]:
+def make_setting(name: str) -> tuple[torch.nn.Module, object, list[int], float, float]:
     """``(model, distribution, target_ids, temperature, exact p*)`` of a named setting (:data:`SETTINGS`)."""
     head_scale, target, temperature = SETTINGS[name]
     model, dist = tiny_lm(head_scale), uniform(VOCAB, LENGTH)

@@ -13,7 +13,6 @@ import math
 
 import pytest
 import torch
-from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from trl_ext.eval.rare import Estimate, brute_force, exact_probability, itgis, mhis, uniform
 from trl_ext.eval.rare.estimate import (
@@ -25,27 +24,14 @@ from trl_ext.eval.rare.estimate import (
     term_reasons,
     wilson_interval,
 )
+from trl_ext.testing import build_rare_output_lm
 
 VOCAB = 24
 
 
-def tiny_lm(head_scale: float) -> GPTNeoXForCausalLM:
+def tiny_lm(head_scale: float):
     """The estimator tests' one-layer GPT-NeoX (seed 0) with its LM head multiplied by ``head_scale``."""
-    torch.manual_seed(0)
-    config = GPTNeoXConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=32,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    model = GPTNeoXForCausalLM(config).eval()
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(head_scale)
-    return model
+    return build_rare_output_lm(head_scale, vocab_size=VOCAB)
 
 
 @pytest.fixture(scope="module")

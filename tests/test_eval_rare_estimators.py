@@ -13,7 +13,6 @@ import statistics
 
 import pytest
 import torch
-from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from trl_ext.eval.rare import (
     Estimate,
@@ -38,28 +37,14 @@ from trl_ext.eval.rare import (
 from trl_ext.eval.rare.itgis import itgis_temperature, score_normaliser
 from trl_ext.eval.rare.mhis import mh_log_acceptance, mh_proposal_log_probs
 from trl_ext.eval.report import write_json_report
-from trl_ext.testing import build_causal_lm, build_tokenizer
+from trl_ext.testing import build_causal_lm, build_rare_output_lm, build_tokenizer
 
 VOCAB = 24
 
 
-def small_lm(head_scale: float = 5.0, seed: int = 0, dropout: float = 0.0) -> GPTNeoXForCausalLM:
+def small_lm(head_scale: float = 5.0, seed: int = 0, dropout: float = 0.0):
     """One-layer GPT-NeoX over 24 tokens; the LM head is multiplied by ``head_scale`` (peakier outputs)."""
-    torch.manual_seed(seed)
-    config = GPTNeoXConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=32,
-        hidden_dropout=dropout,
-        attention_dropout=dropout,
-    )
-    model = GPTNeoXForCausalLM(config).eval()
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(head_scale)
-    return model
+    return build_rare_output_lm(head_scale, seed=seed, dropout=dropout, vocab_size=VOCAB)
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ Use it in tests, benchmarks, notebooks or to try a trainer on a laptop without t
   tokens and a ChatML chat template; `pad_equals_eos=True` gives the variant where pad is eos.
 - `build_causal_lm(arch)` / `build_sequence_classifier(arch)`: randomly initialised ~130k-parameter
   GPT-NeoX, Llama or GPT-2 models (float32, dropout 0, special ids set).
+- `build_rare_output_lm(head_scale)`: a one-layer GPT-NeoX over 24 token ids for rare-output estimation.
 - `tiny_model_dir(arch, kind)`: the same, saved once into a cached folder for `from_pretrained`.
 - `prompt_dataset`, `preference_dataset`, `unpaired_preference_dataset`, `prompt_completion_dataset`,
   `harmful_prompt_dataset`, `prm_dataset`: small deterministic `datasets.Dataset`s in TRL's formats (`prm_dataset`:
@@ -42,6 +43,7 @@ from .models import (
     KIT_VERSION,
     MODEL_KINDS,
     build_causal_lm,
+    build_rare_output_lm,
     build_sequence_classifier,
     cache_key,
     default_cache_dir,
@@ -85,6 +87,7 @@ __all__ = [
     "SPECIAL_TOKENS",
     "VISION_ARCHITECTURES",
     "build_causal_lm",
+    "build_rare_output_lm",
     "build_sequence_classifier",
     "build_tokenizer",
     "build_vision_lm",

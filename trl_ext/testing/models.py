@@ -232,3 +232,28 @@ def tiny_model_dir(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(final)
+
+
+def build_rare_output_lm(
+    head_scale: float = 5.0, seed: int = 0, dropout: float = 0.0, vocab_size: int = 24
+) -> torch.nn.Module:
+    """A one-layer GPT-NeoX over ``vocab_size`` token ids (no tokenizer), in eval mode, for rare-output estimation:
+    its LM head is multiplied by ``head_scale``, so larger values give peakier next-token distributions and rarer
+    targets; with 3-token inputs every input can be enumerated for an exact answer."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(seed)
+    config = GPTNeoXConfig(
+        vocab_size=vocab_size,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        hidden_dropout=dropout,
+        attention_dropout=dropout,
+    )
+    model = GPTNeoXForCausalLM(config).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(head_scale)
+    return model

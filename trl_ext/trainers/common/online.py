@@ -281,9 +281,8 @@ class OnlineTrainerMixin(abc.ABC):
             self._write_checkpoint_card(output_dir)  # a checkpoint: before `Trainer` writes trainer_state.json
         if not _internal_call:
             self.create_model_card(model_name=self._card_model_name())
-            if self.args.push_to_hub:
-                with hub_push_errors(self):
-                    self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+            if self.args.push_to_hub:  # a clear error when the Hub cannot be reached: see push_to_hub
+                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def init_hf_repo(self, token: str | None = None, **kwargs) -> None:
         """`Trainer.init_hf_repo` (creates the Hub repository when ``push_to_hub``), with a clear error when the Hub

@@ -17,7 +17,7 @@ import torch
 from ...ops import kl_estimate, masked_sum
 from ...rollout.data import left_padded
 from ..common import checkpoint as ckpt
-from ..common.online import forked_rng, hub_push_errors
+from ..common.online import forked_rng
 
 __all__ = ["HarmlessnessTrainerIO"]
 
@@ -49,16 +49,14 @@ class HarmlessnessTrainerIO:
         ``proposal/`` only with ``push_proposal_to_hub=True``."""
         proposal_dir = os.path.join(self.args.output_dir, ckpt.PROPOSAL_DIR)
         if self.args.push_proposal_to_hub or self.proposal is None:
-            with hub_push_errors(self):
-                return super().push_to_hub(commit_message, blocking, **kwargs)
+            return super().push_to_hub(commit_message, blocking, **kwargs)  # the mixin's: clear errors offline
         # Trainer uploads the whole output folder: keep the proposal out of it meanwhile ("_*" is never uploaded).
         hidden = os.path.join(self.args.output_dir, f"_{ckpt.PROPOSAL_DIR}-not-pushed")
         if os.path.isdir(proposal_dir) and self.args.should_save:
             os.replace(proposal_dir, hidden)
         self._save_proposal = False
         try:
-            with hub_push_errors(self):
-                return super().push_to_hub(commit_message, True, **kwargs)
+            return super().push_to_hub(commit_message, True, **kwargs)
         finally:
             self._save_proposal = True
             if os.path.isdir(hidden):
