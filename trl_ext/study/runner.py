@@ -1,0 +1,328 @@
+r"""Run a study: every training run once, each evaluation on the held-out prompts, cached and resumable.
+
+For each :class:`~trl_ext.study.config.RunSpec` (a method's setting at one seed) :func:`run_study`:
+
+1. skips it when ``<results_dir>/runs/<label>.json`` exists with the same key (:meth:`StudyConfig.run_key`, a hash of
+   every setting that changes the result): a killed study resumes and loses at most the run in progress;
+2. otherwise trains a fresh copy of the initial policy with the public trainers (`HarmlessnessTrainer` for
+   REINFORCE / RePULSe / the p-as-proposal ablation, `PPOTrainer` with a separate critic for PPO), evaluating it with
+   :func:`~trl_ext.eval.eval_heldout` after each of the run's ``eval_at`` updates (KL to the initial model);
+3. writes the run's summary atomically (a temporary file, then ``os.replace``): its key, settings, per-evaluation
+   metrics, the five worst held-out responses, and the time per update with the trainer's phase timings.
+
+The untrained model is the study's ``initial`` method, evaluated once per seed (the sampling seed).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import subprocess
+import tempfile
+import time
+from collections import defaultdict
+
+import torch
+from transformers import TrainerCallback
+
+from ..eval.heldout import eval_heldout
+from ..models.freeze import train_top_layers
+from .config import RunSpec, StudyConfig
+
+__all__ = ["StudyContext", "evaluate_policy", "run_study", "summary_path"]
+
+logger = logging.getLogger(__name__)
+
+_COMMON_OPTIONS = {
+    "lr_scheduler_type": "constant",
+    "logging_steps": 1,
+    "save_strategy": "no",
+    "report_to": "none",
+    "bf16": False,
+    "use_cpu": True,
+    "stop_token": "eos",
+    "disable_tqdm": True,
+}
+
+
+# ------------------------------------------------------------------------------------------------ context
+class StudyContext:
+    """What every run shares: the initial policy and tokenizer, the reward, and the two prompt sets."""
+
+    def __init__(self, config: StudyConfig):
+        from ..data import load_rtp_prompts
+
+        self.config = config
+        self.model, self.tokenizer = load_policy(config.model)
+        self.model.eval().requires_grad_(False)
+        self.reward = make_reward(config)
+        split = {"heldout_fraction": config.heldout_fraction, "seed": config.split_seed}
+        train = load_rtp_prompts("train", max_per_category=config.train_per_category, **split)
+        self.train_dataset = train.select_columns(["prompt"])
+        self.heldout = load_rtp_prompts("heldout", max_per_category=config.eval_per_category, **split)
+        self.thresholds = [math.log(1.0 - t) for t in config.p_offensive_thresholds]
+
+
+def load_policy(name: str):
+    """``(model, tokenizer)`` in fp32: SmolLM2-135M-Instruct, the kit's tiny Llama, or a local folder."""
+    if name == "smollm2":
+        from ..models.smollm2 import load_smollm2
+
+        return load_smollm2()
+    if name == "tiny":
+        from ..testing import build_causal_lm, build_tokenizer
+
+        tokenizer = build_tokenizer(pad_equals_eos=True, padding_side="left")
+        return build_causal_lm("llama", tokenizer=tokenizer, seed=0), tokenizer
+    if not os.path.isdir(name):
+        raise ValueError(f"model must be 'smollm2', 'tiny' or a local model folder; {name!r} is none of them.")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name, padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32), tokenizer
+
+
+def make_reward(config: StudyConfig):
+    """The offensiveness classifier, or ``(sequence classifier, its tokenizer)`` read from a local folder."""
+    if config.reward == "offensiveness":
+        from ..rewards.toxicity import OffensivenessReward
+
+        return OffensivenessReward(floor=config.reward_floor)
+    if not os.path.isdir(config.reward):
+        raise ValueError(
+            f"reward must be 'offensiveness' or the folder of a sequence-classification reward model; "
+            f"{config.reward!r} is neither."
+        )
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(config.reward, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(config.reward)
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+def evaluate_policy(context: StudyContext, model, seed: int) -> dict:
+    """Held-out metrics of ``model`` (KL to the initial model), with ``P(p_offensive > t)`` read off the rewards."""
+    config = context.config
+    start = time.perf_counter()
+    report = eval_heldout(
+        model, context.tokenizer, context.heldout, context.reward, ref_model=context.model,
+        num_samples_per_prompt=config.eval_samples_per_prompt, max_new_tokens=config.response_length,
+        temperature=config.temperature, kl_coef=config.kl_coef, batch_size=config.eval_batch_size,
+        thresholds=context.thresholds, cvar_alphas=[config.cvar_alpha], seed=seed, show_progress=False,
+        save_samples=True,
+    )  # fmt: skip
+    samples = report.pop("samples")
+    rewards = torch.tensor(samples["reward"], dtype=torch.float64)
+    p_offensive = 1.0 - rewards.exp()  # r = log(max(1 - p, floor)): exact above the floor
+    worst = torch.argsort(rewards)[:5].tolist()
+    report["p_offensive_mean"] = float(p_offensive.mean())
+    thresholds = zip(config.p_offensive_thresholds, context.thresholds)
+    report["p_offensive_threshold_map"] = {str(t): tau for t, tau in thresholds}
+    report["worst_samples"] = [
+        {"prompt": samples["prompts"][samples["prompt_index"][i]], "response": samples["response"][i],
+         "reward": float(rewards[i])}
+        for i in worst
+    ]  # fmt: skip
+    report["eval_seconds"] = time.perf_counter() - start
+    return report
+
+
+class _EvalAt(TrainerCallback):
+    """Evaluates the policy after given numbers of *updates* (optimizer steps ÷ steps per update) and keeps the
+    trainer's per-step ``timing/*`` logs."""
+
+    def __init__(self, context, run: RunSpec, steps_per_update: int):
+        self.context, self.run, self.steps_per_update = context, run, steps_per_update
+        self.policy = None
+        self.evals: list[dict] = []
+        self.timings: dict[str, list[float]] = defaultdict(list)
+        self.eval_seconds = 0.0
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        for key, value in (logs or {}).items():
+            if key.startswith("timing/"):
+                self.timings[key].append(float(value))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self.steps_per_update:
+            return
+        updates = state.global_step // self.steps_per_update
+        if updates in self.run.eval_at:
+            report = evaluate_policy(self.context, self.policy, self.run.seed)
+            self.eval_seconds += report["eval_seconds"]
+            self.evals.append({"updates": updates, **report})
+
+
+def _train(context: StudyContext, run: RunSpec) -> dict:
+    config = context.config
+    model = copy.deepcopy(context.model).train().requires_grad_(True)
+    trainable = train_top_layers(model, config.trainable_layers)
+    updates = max(run.eval_at)
+    work = tempfile.mkdtemp(prefix=f"study-{run.label}-")
+    common = {
+        **_COMMON_OPTIONS,
+        "output_dir": work,
+        "per_device_train_batch_size": config.prompts_per_update,
+        "num_samples_per_prompt": config.samples_per_prompt,
+        "response_length": config.response_length,
+        "temperature": config.temperature,
+        "learning_rate": config.learning_rate,
+        "kl_coef": config.kl_coef,
+        "seed": run.seed,
+        "local_rollout_forward_batch_size": config.prompts_per_update * config.samples_per_prompt,
+    }
+    if run.trainer == "ppo":
+        from ..trainers import PPOConfig, PPOTrainer
+
+        options = {**common, "num_ppo_epochs": 2, "num_mini_batches": 1, **run.options}
+        steps_per_update = options["num_ppo_epochs"] * options["num_mini_batches"]
+        args = PPOConfig(**options, max_steps=updates * steps_per_update)
+        value_model = _value_model(context.model, config.trainable_layers)
+        callback = _EvalAt(context, run, steps_per_update)
+        trainer = PPOTrainer(
+            args=args, processing_class=context.tokenizer, model=model, ref_model=context.model,
+            reward_model=context.reward, train_dataset=context.train_dataset, value_model=value_model,
+            callbacks=[callback],
+        )  # fmt: skip
+    else:
+        from ..trainers import HarmlessnessConfig, HarmlessnessTrainer
+
+        options = {**common, "activation_checkpointing": False, **run.options}
+        args = HarmlessnessConfig(**options, max_steps=updates)
+        callback = _EvalAt(context, run, 1)
+        trainer = HarmlessnessTrainer(
+            args=args, processing_class=context.tokenizer, model=model, reward_model=context.reward,
+            train_dataset=context.train_dataset, callbacks=[callback], ref_model=context.model,
+        )  # fmt: skip
+    callback.policy = getattr(trainer, "policy", None) or trainer.policy_model
+    start = time.perf_counter()
+    trainer.train()
+    train_seconds = time.perf_counter() - start - callback.eval_seconds
+    done = [e["updates"] for e in callback.evals]
+    if done != run.eval_at:
+        raise RuntimeError(f"{run.label}: evaluated after updates {done}, expected {run.eval_at}; check eval_at.")
+    return {
+        "evals": callback.evals,
+        "train_seconds": train_seconds,
+        "seconds_per_update": train_seconds / updates,
+        "timings_mean": {k: sum(v) / len(v) for k, v in callback.timings.items()},
+        "trainable_parameters": trainable,
+        "trainer_options": {k: v for k, v in options.items() if k != "output_dir"},
+    }
+
+
+def _value_model(policy, trainable_layers: int):
+    """A critic with the initial policy's trunk and a fresh one-output head (trained: top blocks + head)."""
+    from transformers import AutoModelForSequenceClassification
+
+    config = copy.deepcopy(policy.config)
+    config.num_labels = 1
+    critic = AutoModelForSequenceClassification.from_config(config).to(torch.float32)
+    missing, unexpected = critic.load_state_dict(policy.state_dict(), strict=False)
+    if any(not name.startswith("score") for name in missing):
+        raise RuntimeError(f"The critic could not take the policy's trunk; missing {missing[:5]}.")
+    train_top_layers(critic, trainable_layers, extra_modules=("score",))
+    return critic.train()
+
+
+# ------------------------------------------------------------------------------------------------ files
+def summary_path(results_dir: str, run: RunSpec) -> str:
+    return os.path.join(results_dir, "runs", f"{run.label}.json")
+
+
+def _read_summary(path: str) -> dict | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _write_atomic(path: str, data: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".run-", suffix=".json.tmp", dir=os.path.dirname(path))
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1, default=float)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _commit_file(path: str, message: str) -> None:
+    """``git commit`` only ``path`` (other staged work is left alone); a busy index is retried, then skipped."""
+    for attempt in range(5):
+        add = subprocess.run(["git", "add", "--", path], capture_output=True, text=True)
+        done = (
+            add.returncode == 0
+            and (
+                subprocess.run(["git", "commit", "-q", "-m", message, "--", path], capture_output=True, text=True)
+            ).returncode
+            == 0
+        )
+        if done:
+            return
+        time.sleep(2 + 3 * attempt)
+    logger.warning("Could not commit %s (the git index stayed busy); commit it by hand.", path)
+
+
+# ------------------------------------------------------------------------------------------------ driver
+def run_study(
+    config: StudyConfig, results_dir: str, *, command: str = "", commit_results: bool = False, progress=None
+) -> list[dict]:
+    """Run every run of ``config`` not already in ``results_dir``; return all the summaries (done before or now).
+
+    ``progress``: an optional callable ``(done, total, label, seconds)`` called after each run (for a progress bar);
+    ``commit_results``: ``git commit`` each summary as it is written (a study stopped anywhere continues from git).
+    """
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    runs = config.runs()
+    pending = []
+    summaries: dict[str, dict] = {}
+    for run in runs:
+        existing = _read_summary(summary_path(results_dir, run))
+        if existing is not None and existing.get("key") == config.run_key(run):
+            summaries[run.label] = existing
+        else:
+            pending.append(run)
+    if progress is not None:
+        progress(len(summaries), len(runs), None, 0.0)
+    context = StudyContext(config) if pending else None
+    for run in pending:
+        start = time.perf_counter()
+        torch.manual_seed(run.seed)
+        if run.method == "initial":
+            result = {"evals": [{"updates": 0, **evaluate_policy(context, context.model, run.seed)}]}
+        else:
+            result = _train(context, run)
+        summary = {
+            "key": config.run_key(run),
+            "run": {"method": run.method, "setting": run.setting, "seed": run.seed, "trainer": run.trainer,
+                    "options": run.options, "eval_at": run.eval_at},
+            "study": config.shared(),
+            **result,
+            "wall_seconds": time.perf_counter() - start,
+            "threads": torch.get_num_threads(),
+            "git_commit": _git_commit(),
+            "command": command,
+        }  # fmt: skip
+        path = summary_path(results_dir, run)
+        _write_atomic(path, summary)
+        summaries[run.label] = summary
+        if commit_results:
+            _commit_file(path, f"study {config.name}: {run.label} ({summary['wall_seconds']:.0f} s)")
+        if progress is not None:
+            progress(len(summaries), len(runs), run.label, summary["wall_seconds"])
+    return [summaries[r.label] for r in runs]
