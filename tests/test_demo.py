@@ -38,57 +38,145 @@ def demo():
 
 
 # ------------------------------------------------------------------------------------------------ the demo pipeline
+def _check_eval_row(row):
+    assert row["p_bad_lower"] <= row["p_bad"] <= row["p_bad_upper"] and row["p_bad_se"] >= 0
+    assert row["expected_reward"] == pytest.approx(-row["p_bad"])
+    assert row["kl_first_token"] >= -1e-12 and row["kl_response_se"] >= 0
+    # the response KL is the first token's plus the (non-negative) KLs of later positions
+    assert row["kl_response"] >= row["kl_first_token"] - 1e-12
+
+
 def test_tiny_demo_end_to_end(demo, tmp_path):
-    out, n = tmp_path / "demo", 32
-    argv = ["--tiny", "--steps", "3", "--eval-every", "2", "--num-samples", str(n), "--output-dir", str(out)]
+    out, n, steps = tmp_path / "demo", 32, 3
+    argv = ["--tiny", "--steps", str(steps), "--eval-every", "2", "--num-samples", str(n), "--output-dir", str(out)]
     summary = demo.main(argv)
 
     on_disk = json.loads((out / "results.json").read_text())
     assert on_disk["initial"]["p_bad"] == pytest.approx(summary["initial"]["p_bad"])
+    assert on_disk["matched_kl"]["target_kl"] == pytest.approx(summary["matched_kl"]["target_kl"])
     assert (out / "repulse_vs_reinforce.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     initial = summary["initial"]
     assert initial["exact"] and 0.0 < initial["p_bad"] < 0.2  # tiny vocabulary: exact enumeration
-    assert initial["expected_reward"] == pytest.approx(-initial["p_bad"])
+    assert initial["p_bad_se"] == 0.0 and initial["p_bad_lower"] == initial["p_bad"] == initial["p_bad_upper"]
     assert initial["kl_first_token"] == pytest.approx(0.0, abs=1e-9)
+    assert initial["kl_response"] == pytest.approx(0.0, abs=1e-9) and initial["kl_response_se"] < 1e-9
+    _check_eval_row(initial)
 
     results = {r["method"]: r for r in summary["results"]}
     assert set(results) == {"REINFORCE", "RePULSe"}
+    repulse, reinforce = results["RePULSe"], results["REINFORCE"]
+    assert [e["step"] for e in repulse["evals"]] == [2, 3]  # every 2 steps, and the last one
+    assert repulse["extra_steps"] == 0 and repulse["options"]["max_steps"] == steps
+    assert reinforce["options"]["max_steps"] == steps + 3 * steps  # --max-extra-steps defaults to 3 × --steps
+    assert 0 <= reinforce["extra_steps"] == reinforce["steps_run"] - steps <= 3 * steps
+    # REINFORCE: the same evaluations over the first updates, then every 2 updates until it stopped
+    expected_steps = [2, 3, *range(4, reinforce["steps_run"] + 1, 2)]
+    if reinforce["steps_run"] % 2:
+        expected_steps.append(reinforce["steps_run"])
+    assert [e["step"] for e in reinforce["evals"]] == expected_steps[: len(reinforce["evals"])]
+    assert reinforce["evals"][-1]["step"] == reinforce["steps_run"]
     for res in results.values():
-        assert [e["step"] for e in res["evals"]] == [2, 3]  # every 2 steps, and the last one
-        assert [s["step"] for s in res["steps"]] == [1, 2, 3]  # one logged row per policy update
-        assert res["options"]["max_steps"] == 3 and res["options"]["seed"] == 0
+        assert res["matched_updates"]["step"] == steps and res["options"]["seed"] == 0
+        assert [s["step"] for s in res["steps"]] == list(range(1, res["steps_run"] + 1))  # one row per update
         for e in res["evals"]:
-            assert e["expected_reward"] == pytest.approx(-e["p_bad"])
-        # The bad samples written during training agree with the per-step fraction the trainer logged.
-        assert res["bad_samples"]["policy"]["total"] == round(sum(s["p_bad"] for s in res["steps"]) * n)
+            _check_eval_row(e)
+        # The bad samples written during training agree with the per-step fraction the trainer logged, split into
+        # the matched updates and the extra ones.
+        first = sum(s["p_bad"] for s in res["steps"] if s["step"] <= steps)
+        assert res["bad_samples"]["policy"]["total"] == round(first * n)
+        extra = sum(s["p_bad"] for s in res["steps"] if s["step"] > steps)
+        assert res["bad_samples_extra"]["policy"]["total"] == round(extra * n)
         # No bad sample seen -> no update at all (RLOO on equal rewards; RePULSe's indicator mask); else it moves.
         seen = res["bad_samples"]["policy"]["total"] + res["bad_samples"]["proposal"]["total"]
-        moved = res["evals"][-1]["kl_first_token"]
+        moved = res["matched_updates"]["kl_first_token"]
         assert moved > 1e-6 if seen else moved == pytest.approx(0.0, abs=1e-12), (res["method"], seen, moved)
-    repulse = results["RePULSe"]
     # RePULSe trains a proposal whose samples are logged and kept; REINFORCE has none.
     assert all("proposal/reward" in s for s in repulse["steps"])
-    assert not any("proposal/reward" in s for s in results["REINFORCE"]["steps"])
+    assert not any("proposal/reward" in s for s in reinforce["steps"])
     found = round(-sum(s["proposal/reward"] for s in repulse["steps"]) * n)
     # Every q batch is kept (the logged fraction covers the last of the --q-steps batches of a step).
     assert repulse["bad_samples"]["proposal"]["total"] >= found > 0  # the proposal met bad outputs at this seed
     options = repulse["options"]
     assert options["rm_type"] == "indicator_below_threshold" and options["indicator_mask"] and options["alpha"] > 0
 
+    # Matched KL: RePULSe's response KL after --steps updates is the target REINFORCE trained on towards.
+    matched = summary["matched_kl"]
+    target = matched["target_kl"]
+    assert target == repulse["matched_updates"]["kl_response"] > 0
+    assert matched["RePULSe"]["p_bad"] == repulse["matched_updates"]["p_bad"]
+    later = [e["kl_response"] for e in reinforce["evals"] if e["step"] >= steps]
+    assert all(kl < target for kl in later[:-1])  # it stopped at the first evaluation that reached the target
+    at = matched["REINFORCE"]
+    if later[-1] >= target:
+        assert matched["reached"] and at is not None
+        before, after = at["before"], at["after"]
+        assert before["kl_response"] < target <= after["kl_response"]
+        assert min(before["p_bad"], after["p_bad"]) <= at["p_bad"] <= max(before["p_bad"], after["p_bad"])
+        assert before["step"] <= at["step"] <= after["step"] <= reinforce["steps_run"]
+    else:  # the cap was hit: no value, and all the allowed updates were made
+        assert not matched["reached"] and at is None and reinforce["extra_steps"] == 3 * steps
 
-def _brute_force_p_bad(model, prompt_ids, bad_ids, eos_id) -> float:
-    """Σ_b p(b) + Σ_{g good, not eos} p(g)·Σ_b p(b|g), with one full forward per first token (no cache)."""
+
+def _trajectory(kls, p_bads):
+    return [{"step": 2 * (i + 1), "kl_response": kl, "p_bad": p, "p_bad_se": 0.0, "p_bad_lower": p,
+             "p_bad_upper": p, "kl_response_se": 0.0} for i, (kl, p) in enumerate(zip(kls, p_bads))]  # fmt: skip
+
+
+def test_matched_kl_interpolates_or_says_not_reached(demo):
+    args = demo.parse_args(["--tiny", "--steps", "2", "--max-extra-steps", "4"])
+    initial = {"step": 0, **_trajectory([0.0], [0.1])[0]}
+    repulse = {"method": "RePULSe", "matched_updates": _trajectory([0.3], [0.02])[0]}
+    reached = {"method": "REINFORCE", "evals": _trajectory([0.1, 0.2, 0.4], [0.08, 0.04, 0.01])}
+    matched = demo.matched_kl(initial, reached, repulse, args)
+    assert matched["reached"] and matched["target_kl"] == 0.3 and matched["max_updates"] == 6
+    at = matched["REINFORCE"]
+    assert at["p_bad"] == pytest.approx(0.02)  # halfway in KL between 0.04 and 0.01: their geometric mean
+    assert at["step"] == pytest.approx(5.0) and (at["before"]["step"], at["after"]["step"]) == (4, 6)
+    assert matched["RePULSe"]["p_bad"] == 0.02
+    short = {"method": "REINFORCE", "evals": _trajectory([0.1, 0.2, 0.25], [0.08, 0.04, 0.03])}
+    missed = demo.matched_kl(initial, short, repulse, args)
+    assert not missed["reached"] and missed["REINFORCE"] is None  # never extrapolated
+    assert missed["REINFORCE_last"]["kl_response"] == 0.25
+
+
+def test_value_at_kl():
+    from trl_ext.eval.demo_metrics import value_at_kl
+
+    kls, values = [0.0, 0.1, 0.3, 0.2, 0.5], [1.0, 0.5, 0.125, 0.3, 0.01]
+    point = value_at_kl(kls, values, 0.2)
+    assert (point.before, point.after, point.weight) == (1, 2, pytest.approx(0.5))
+    assert point.value == pytest.approx(0.25)  # log-linear: sqrt(0.5 · 0.125)
+    assert value_at_kl(kls, values, 0.2, log=False).value == pytest.approx(0.3125)
+    assert value_at_kl(kls, values, 0.3).value == pytest.approx(0.125)  # on a point: its value
+    assert value_at_kl(kls, values, 0.0) == value_at_kl(kls, values, -1.0)  # the start already reaches it
+    assert value_at_kl(kls, values, 0.0).value == 1.0
+    assert value_at_kl(kls, values, 0.6) is None  # beyond the trajectory
+    with pytest.raises(ValueError, match="log=True"):
+        value_at_kl([0.0, 1.0], [0.1, 0.0], 0.5)
+    assert value_at_kl([0.0, 1.0], [0.1, 0.0], 0.5, log=False).value == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="differ in length"):
+        value_at_kl([0.0], [0.1, 0.2], 0.5)
+
+
+def _brute_force(model, base, prompt_ids, bad_ids, eos_id) -> tuple[float, float]:
+    """P(bad) = Σ_b p(b) + Σ_{g good, not eos} p(g)·Σ_b p(b|g), and the response KL
+    KL1 + Σ_{x1 ≠ eos} p(x1)·KL(p(·|x1) ‖ p_0(·|x1)), with one full forward per first token (no cache)."""
     with torch.no_grad():
-        p1 = torch.softmax(model(torch.tensor([prompt_ids])).logits[0, -1].double(), -1)
-        vocab = p1.shape[0]
-        firsts = torch.arange(vocab)
-        rows = torch.cat([torch.tensor([prompt_ids]).expand(vocab, -1), firsts[:, None]], 1)
-        p2 = torch.softmax(model(rows).logits[:, -1].double(), -1)
+        lp = [torch.log_softmax(m(torch.tensor([prompt_ids])).logits[0, -1].double(), -1) for m in (model, base)]
+        vocab = lp[0].shape[0]
+        rows = torch.cat([torch.tensor([prompt_ids]).expand(vocab, -1), torch.arange(vocab)[:, None]], 1)
+        lp2 = [torch.log_softmax(m(rows).logits[:, -1].double(), -1) for m in (model, base)]
+    p1, p2 = lp[0].exp(), lp2[0].exp()
     bad = torch.zeros(vocab, dtype=torch.bool)
     bad[bad_ids] = True
     good = ~bad
     good[eos_id] = False
-    return float(p1[bad].sum() + (p1[good] * p2[good][:, bad].sum(-1)).sum())
+    p_bad = float(p1[bad].sum() + (p1[good] * p2[good][:, bad].sum(-1)).sum())
+    kl2 = (p2 * (lp2[0] - lp2[1])).sum(-1)
+    alive = torch.ones(vocab, dtype=torch.bool)
+    alive[eos_id] = False
+    kl = float((p1 * (lp[0] - lp[1])).sum() + (p1[alive] * kl2[alive]).sum())
+    return p_bad, kl
 
 
 def test_evaluate_matches_brute_force_and_kl(demo):
@@ -97,35 +185,53 @@ def test_evaluate_matches_brute_force_and_kl(demo):
     moved = kit.build_causal_lm("llama", tokenizer=tokenizer, seed=1)
     reward = LexicalReward(OFFENSIVE_WORDS, tokenizer=tokenizer)
     prompt = tokenizer(demo.PROMPT)["input_ids"]
-    base_lp = demo._first_token_logprobs(base, prompt)
+    args = demo.parse_args(["--tiny", "--kl-samples", "400"])
 
-    row = demo.evaluate(moved, base_lp, prompt, reward, tokenizer.eos_token_id, prune_below=0.0)
+    row = demo.evaluate(moved, base, prompt, reward, tokenizer.eos_token_id, args)
 
-    expected = _brute_force_p_bad(moved, prompt, reward.bad_token_ids, tokenizer.eos_token_id)
-    assert row["exact"] and row["p_bad"] == pytest.approx(expected, rel=1e-6)
+    expected, kl = _brute_force(moved, base, prompt, reward.bad_token_ids, tokenizer.eos_token_id)
+    assert row["exact"] and row["p_bad"] == pytest.approx(expected, rel=1e-6) and row["p_bad_se"] == 0.0
     assert row["p_bad_lower"] == row["p_bad_upper"] == pytest.approx(expected, rel=1e-6)
     assert row["expected_reward"] == pytest.approx(demo.BAD_REWARD * expected, rel=1e-6)
-    p, q = demo._first_token_logprobs(moved, prompt), base_lp
+    with torch.no_grad():
+        p, q = (torch.log_softmax(m(torch.tensor([prompt])).logits[0, -1].double(), -1) for m in (moved, base))
     assert row["kl_first_token"] == pytest.approx(float((p.exp() * (p - q)).sum()), rel=1e-6)
     assert row["kl_first_token"] > 0
+    assert 0 < row["kl_response_se"] and abs(row["kl_response"] - kl) < 4 * row["kl_response_se"]
+    assert row["kl_response"] > row["kl_first_token"]
+    assert demo.evaluate(moved, base, prompt, reward, tokenizer.eos_token_id, args) == {
+        **row,
+        "eval_seconds": pytest.approx(row["eval_seconds"], abs=60),
+    }  # the draws are seeded: the same numbers again
 
-    pruned = demo.evaluate(moved, base_lp, prompt, reward, tokenizer.eos_token_id, prune_below=5e-3)
-    assert not pruned["exact"] and pruned["pruned_mass"] > 0
+    args.prune_below = 2e-3
+    pruned = demo.evaluate(moved, base, prompt, reward, tokenizer.eos_token_id, args)
+    assert not pruned["exact"] and pruned["pruned_mass"] > 1e-3
     assert pruned["p_bad_lower"] <= expected + 1e-12 <= pruned["p_bad_upper"] + 2e-12
+    assert pruned["p_bad_lower"] <= pruned["p_bad"] <= pruned["p_bad_upper"]
+    assert abs(pruned["p_bad"] - expected) <= 4 * pruned["p_bad_se"] + 1e-12
+    assert pruned["p_bad_se"] < 0.1 * (pruned["p_bad_upper"] - pruned["p_bad_lower"])  # far tighter
 
 
-def test_train_top_layers(demo):
+def test_train_top_layers():
+    from trl_ext.models.freeze import train_top_layers
+
     model = kit.build_causal_lm("llama")
-    trainable = demo.train_top_layers(model, 1)
+    trainable = train_top_layers(model, 1)
     names = {n for n, p in model.named_parameters() if p.requires_grad}
     assert names and all(n.startswith(("model.layers.1.", "model.norm.")) for n in names)
     assert "model.norm.weight" in names and not model.get_input_embeddings().weight.requires_grad
     assert trainable == sum(p.numel() for n, p in model.named_parameters() if n in names)
-    assert demo.train_top_layers(model, 0) == trainable  # 0 leaves the flags alone ("train all" on a fresh model)
+    assert train_top_layers(model, 0) == trainable  # 0 leaves the flags alone ("train all" on a fresh model)
     fresh = kit.build_causal_lm("llama")
-    assert demo.train_top_layers(fresh, 0) == sum(p.numel() for p in fresh.parameters())
-    with pytest.raises(ValueError, match="--trainable-layers 0"):
-        demo.train_top_layers(kit.build_causal_lm("gpt2"), 1)
+    assert train_top_layers(fresh, 0) == sum(p.numel() for p in fresh.parameters())
+    with pytest.raises(ValueError, match=r"num_layers=0"):
+        train_top_layers(kit.build_causal_lm("gpt2"), 1)
+    with pytest.raises(ValueError, match="has 2 decoder blocks"):
+        train_top_layers(fresh, 3)
+    critic = kit.build_sequence_classifier("llama")
+    train_top_layers(critic, 1, extra_modules=("score",))
+    assert critic.score.weight.requires_grad and not critic.model.layers[0].mlp.up_proj.weight.requires_grad
 
 
 @pytest.mark.parametrize(
@@ -135,6 +241,9 @@ def test_train_top_layers(demo):
         (["--num-samples", "1"], "--num-samples >= 2"),
         (["--steps", "0"], "--steps"),
         (["--q-steps", "0"], "--q-steps"),
+        (["--max-extra-steps", "-1"], "--max-extra-steps must be >= 0"),
+        (["--pbad-samples", "1"], "--pbad-samples and --kl-samples must be >= 2"),
+        (["--kl-samples", "0"], "--pbad-samples and --kl-samples must be >= 2"),
     ],
 )
 def test_demo_rejects_bad_flags(demo, argv, message, capsys):
@@ -147,6 +256,9 @@ def test_demo_defaults(demo):
     real, tiny = demo.parse_args([]), demo.parse_args(["--tiny"])
     assert real.trainable_layers == 4 and real.prune_below > 0 and real.output_dir == "outputs/demo_repulse"
     assert tiny.trainable_layers == 0 and tiny.prune_below == 0.0
+    assert real.max_extra_steps == 3 * real.steps and demo.parse_args(["--steps", "5"]).max_extra_steps == 15
+    assert demo.parse_args(["--max-extra-steps", "0"]).max_extra_steps == 0
+    assert real.pbad_samples >= 2 and real.kl_samples >= 2
     names = [m.name for m in demo.methods(real)]
     assert names == ["REINFORCE", "RePULSe"]
     indicator = demo.methods(real)[1].options
@@ -259,15 +371,29 @@ def _smollm2_available() -> bool:
 @pytest.mark.skipif(not _smollm2_available(), reason=f"needs `{smollm2.PIP_INSTALL}` (or a converted cache)")
 def test_real_demo_few_steps(demo, tmp_path):
     out = tmp_path / "real"
-    summary = demo.main(
-        ["--steps", "2", "--eval-every", "2", "--num-samples", "8", "--prune-below", "1e-3", "--output-dir", str(out)]
-    )
+    argv = [
+        "--steps",
+        "2",
+        "--eval-every",
+        "2",
+        "--num-samples",
+        "8",
+        "--prune-below",
+        "1e-3",
+        "--max-extra-steps",
+        "2",
+    ]
+    summary = demo.main([*argv, "--output-dir", str(out)])
     assert (out / "results.json").is_file() and (out / "repulse_vs_reinforce.png").is_file()
     initial = summary["initial"]
     assert 1e-3 < initial["p_bad_lower"] <= initial["p_bad_upper"] < 1  # the offensive words are not negligible
+    assert not initial["exact"] and initial["p_bad_lower"] <= initial["p_bad"] <= initial["p_bad_upper"]
+    assert initial["p_bad_se"] < 0.1 * (initial["p_bad_upper"] - initial["p_bad_lower"])
     assert len(summary["setting"]["bad_token_ids"]) >= 10
     for res in summary["results"]:
-        assert [e["step"] for e in res["evals"]] == [2]
+        assert res["evals"][0]["step"] == 2 and res["matched_updates"]["step"] == 2
         assert res["trainable_parameters"] < 0.2 * 135e6  # only the top blocks are trained
     assert summary["results"][1]["evals"][-1]["kl_first_token"] > 0
+    assert summary["results"][1]["evals"][-1]["kl_response"] > 0
+    assert summary["matched_kl"]["reached"] == (summary["matched_kl"]["REINFORCE"] is not None)
     assert os.path.basename(summary["setting"]["model"]).startswith("SmolLM2")

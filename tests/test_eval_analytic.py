@@ -10,6 +10,7 @@ import torch
 
 from trl_ext import testing as kit
 from trl_ext.eval import BadOutputProbability, bad_output_probability, prompt_token_ids
+from trl_ext.eval.analytic import ResponseKL, _PrunedReservoir, response_kl
 from trl_ext.models import AutoModelForCausalLMWithValueHead, ModulatedCausalLM
 from trl_ext.rewards import LexicalReward
 
@@ -351,6 +352,166 @@ def test_bad_inputs_raise_clear_errors(lm_setup, kwargs, match):
     arguments = {"prompt_ids": prompt, "bad_token_ids": bad, **kwargs}
     with pytest.raises(ValueError, match=match):
         bad_output_probability(model, arguments.pop("prompt_ids"), arguments.pop("bad_token_ids"), **arguments)
+
+
+# ------------------------------------------------------------------------------------------------ pruned remainder
+@pytest.mark.parametrize(("length", "prune"), [(2, 0.05), (3, 1e-2), (3, 0.05), (4, 1e-3), (4, 0.05)])
+def test_remainder_estimate_agrees_with_the_exact_value(length, prune):
+    """With pruning, the estimate lies in the certified interval and within 4 standard errors of the exact value
+    (prune_below=0), and a seed reproduces it."""
+    model = _small_vocab_lm(seed=2)
+    prompt, bad = [1, 2, 3], [4, 10]
+    exact = bad_output_probability(model, prompt, bad, max_new_tokens=length, eos_token_id=0)
+    kwargs = dict(max_new_tokens=length, eos_token_id=0, prune_below=prune, remainder_samples=200, batch_size=64)
+    result = bad_output_probability(model, prompt, bad, generator=7, **kwargs)
+    assert not result.exact and result.pruned_mass > 0.01 and result.remainder_samples == 200
+    assert result.lower <= result.estimate <= result.upper
+    assert result.stderr > 0
+    assert abs(result.estimate - exact.probability) < 4 * result.stderr
+    assert result.probability == result.lower  # the certified numbers are unchanged by the sampling
+    # far tighter than the certified interval
+    assert result.stderr < 0.05 * (result.upper - result.lower)
+    again = bad_output_probability(model, prompt, bad, generator=torch.Generator().manual_seed(7), **kwargs)
+    assert (again.estimate, again.stderr) == (result.estimate, result.stderr)
+    other = bad_output_probability(model, prompt, bad, generator=8, **kwargs)
+    assert other.estimate != result.estimate and abs(other.estimate - exact.probability) < 4 * other.stderr
+
+
+def test_remainder_estimate_is_unbiased_over_seeds():
+    """The mean of many small-sample estimates converges to the exact value (a few SE of that mean), and each
+    seed's standard error is about the spread of the estimates across seeds."""
+    model = _small_vocab_lm(seed=2)
+    prompt, bad = [1, 2, 3], [4, 10]
+    exact = bad_output_probability(model, prompt, bad, max_new_tokens=4, eos_token_id=0).probability
+    runs = [
+        bad_output_probability(
+            model, prompt, bad, max_new_tokens=4, eos_token_id=0, prune_below=0.05, remainder_samples=10, generator=s
+        )
+        for s in range(30)
+    ]
+    estimates = torch.tensor([r.estimate for r in runs], dtype=torch.float64)
+    spread = float(estimates.std())
+    assert abs(float(estimates.mean()) - exact) < 4 * spread / math.sqrt(len(runs))
+    assert 0.5 * spread < float(torch.tensor([r.stderr for r in runs]).mean()) < 2 * spread
+
+
+def test_two_tokens_remainder_on_a_real_vocabulary(lm_setup):
+    """max_new_tokens=2 on a 512-token vocabulary: the pruned first tokens are scored exactly, the only noise is
+    which of them were drawn."""
+    model, prompt, bad, eos = lm_setup
+    exact = bad_output_probability(model, prompt, bad, eos_token_id=eos)
+    pruned = bad_output_probability(model, prompt, bad, eos_token_id=eos, prune_below=1e-3, remainder_samples=300)
+    assert pruned.pruned_mass > 1e-3 and pruned.num_prefixes < exact.num_prefixes
+    assert pruned.lower <= pruned.estimate <= pruned.upper
+    assert abs(pruned.estimate - exact.probability) < 4 * pruned.stderr
+    # the prompt, the kept first tokens in batches of 256, then the 300 drawn pruned first tokens in 2 batches
+    assert pruned.num_forward_passes == 1 + math.ceil((pruned.num_prefixes - 1) / 256) + 2
+
+
+def test_nothing_pruned_means_no_sampling_error(lm_setup):
+    model, prompt, bad, eos = lm_setup
+    plain = bad_output_probability(model, prompt, bad, eos_token_id=eos)
+    sampled = bad_output_probability(model, prompt, bad, eos_token_id=eos, remainder_samples=50, generator=3)
+    for result in (plain, sampled):
+        assert result.exact and result.estimate == result.probability and result.stderr == 0.0
+        assert result.remainder_samples == 0
+    assert sampled.num_forward_passes == plain.num_forward_passes
+    unsampled = bad_output_probability(model, prompt, bad, eos_token_id=eos, prune_below=1e-3)
+    assert not unsampled.exact and unsampled.estimate is None and unsampled.stderr is None
+
+
+def test_reservoir_draws_in_proportion_to_probability():
+    """Chunks streamed into the reservoir: every slot is an independent draw with probability p / total mass."""
+    gen = torch.Generator().manual_seed(0)
+    reservoir = _PrunedReservoir(40_000, gen)
+    good_ids = torch.tensor([5, 6, 7])
+    chunks = [
+        (torch.zeros(1, 0, dtype=torch.long), torch.tensor([[0.1, 0.0, 0.05]])),  # 0: kept, not pruned
+        (torch.tensor([[5], [7]]), torch.tensor([[0.02, 0.03, 0.0], [0.0, 0.0, 0.0]])),
+        (torch.tensor([[6]]), torch.tensor([[0.2, 0.0, 0.1]])),
+    ]
+    expected = {}
+    for rows, probs in chunks:
+        reservoir.offer(rows, good_ids, probs.log().double())
+        for r, row in enumerate(rows.tolist()):
+            for c, p in enumerate(probs[r].tolist()):
+                if p > 0:
+                    expected[(*row, int(good_ids[c]))] = p
+    total = sum(expected.values())
+    assert reservoir.log_seen == pytest.approx(math.log(total))
+    drawn = [tuple(t[:k]) for t, k in zip(reservoir.tokens.tolist(), reservoir.lengths.tolist())]
+    assert set(drawn) == set(expected)
+    for prefix, p in expected.items():
+        share, n = drawn.count(prefix) / len(drawn), len(drawn)
+        assert abs(share - p / total) < 4 * math.sqrt(p / total * (1 - p / total) / n), prefix
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"remainder_samples": 1}, "remainder_samples must be 0 or >= 2"),
+        ({"remainder_samples": -3}, "remainder_samples must be an integer"),
+        ({"remainder_samples": 4, "generator": "seed"}, "generator must be"),
+    ],
+)
+def test_remainder_options_are_checked(lm_setup, kwargs, match):
+    model, prompt, bad, eos = lm_setup
+    with pytest.raises(ValueError, match=match):
+        bad_output_probability(model, prompt, bad, eos_token_id=eos, prune_below=1e-3, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------ response KL
+def _brute_force_kl(model, ref, prompt: list[int], stops, length: int, vocab: int = 12) -> float:
+    """Σ over every unended prefix g (length < L) of p_θ(g) · KL(p_θ(·|g) ‖ p_0(·|g)), one full forward each."""
+    total = 0.0
+    for k in range(length):
+        prefixes = torch.tensor(list(itertools.product(range(vocab), repeat=k)), dtype=torch.long)
+        prefixes = prefixes.reshape(-1, k) if k else torch.zeros(1, 0, dtype=torch.long)
+        ids = torch.cat([torch.tensor(prompt)[None].expand(prefixes.shape[0], -1), prefixes], dim=1)
+        lp, lq = _logprobs(model, ids, 1.0), _logprobs(ref, ids, 1.0)
+        logp = torch.zeros(prefixes.shape[0], dtype=torch.float64)
+        for t in range(k):
+            logp += lp[:, len(prompt) - 1 + t].gather(1, prefixes[:, t : t + 1])[:, 0]
+        alive = ~torch.isin(prefixes, torch.tensor(sorted(stops))).any(dim=1)
+        last_p, last_q = lp[:, -1], lq[:, -1]
+        kl = (last_p.exp() * (last_p - last_q)).sum(-1)
+        total += float((logp.exp() * kl)[alive].sum())
+    return total
+
+
+@pytest.mark.parametrize("length", [1, 2, 3])
+def test_response_kl_agrees_with_brute_force(length):
+    model, ref = _small_vocab_lm(seed=2), _small_vocab_lm(seed=3)
+    prompt = [1, 2, 3]
+    expected = _brute_force_kl(model, ref, prompt, {0}, length)
+    result = response_kl(model, ref, prompt, max_new_tokens=length, num_samples=2000, generator=0, batch_size=700)
+    assert isinstance(result, ResponseKL) and result.num_samples == 2000
+    first = _brute_force_kl(model, ref, prompt, {0}, 1)
+    assert result.first_token == pytest.approx(first, rel=1e-9)
+    if length == 1:  # exact: every draw scores the same first-token KL
+        assert result.value == pytest.approx(expected, rel=1e-9) and result.stderr < 1e-12
+    else:
+        assert result.stderr > 0 and abs(result.value - expected) < 4 * result.stderr
+        assert result.value > first
+    again = response_kl(model, ref, prompt, max_new_tokens=length, num_samples=2000, generator=0, batch_size=700)
+    assert (again.value, again.stderr) == (result.value, result.stderr)  # a seed reproduces it
+
+
+def test_response_kl_to_itself_is_zero_and_stops_end_responses(tiny_tokenizer):
+    model = _tiny_lm("llama", tiny_tokenizer)
+    prompt = prompt_token_ids(tiny_tokenizer, PROMPT)
+    same = response_kl(model, model, prompt, num_samples=20)
+    assert same.value == 0.0 and same.stderr == 0.0 and same.first_token == 0.0
+    small, ref = _small_vocab_lm(seed=2), _small_vocab_lm(seed=3)
+    # every token a stop token: only the first token's KL remains
+    all_stop = response_kl(small, ref, [1, 2], max_new_tokens=3, eos_token_id=list(range(12)), num_samples=5)
+    assert all_stop.value == pytest.approx(all_stop.first_token) and all_stop.stderr < 1e-12
+    no_stop = response_kl(small, ref, [1, 2], max_new_tokens=3, eos_token_id=[], num_samples=2000)
+    assert no_stop.value == pytest.approx(_brute_force_kl(small, ref, [1, 2], set(), 3), abs=4 * no_stop.stderr)
+    with pytest.raises(ValueError, match="num_samples"):
+        response_kl(small, ref, [1, 2], num_samples=1)
+    with pytest.raises(ValueError, match="output logits"):
+        response_kl(small, _small_vocab_lm(vocab_size=13), [1, 2], num_samples=2)
 
 
 def test_too_many_prefixes_is_refused(lm_setup):

