@@ -13,6 +13,7 @@ Options come from three dataclasses: TRL's `ScriptArguments` (dataset), trl_ext'
 - Policy and tokenizer: `--model_name_or_path`, else `--sft_model_path`. Weights load in `--dtype` (float32 by
   default, which is also what a CPU wants: bf16 there is many times slower).
 - Reward model: `--reward_model_path` (a 1-label sequence classifier or an OpenRLHF-style value-head checkpoint).
+  Both paths are required: unlike TRL's script, the recipe never falls back on `EleutherAI/pythia-160m`.
 - Critic: `--value_model_path`, else the reward model (TRL's convention); skipped with `--shared_actor_critic`.
 - Reference: a frozen copy of the policy, or the policy with its adapters disabled under `--use_peft`.
 - Dataset: `--dataset_name` is a Hub id, a local folder or a local .json/.jsonl/.csv/.parquet file with a `prompt`
@@ -45,8 +46,33 @@ class PPOScriptArguments(ScriptArguments):
     )
 
 
-def main(script_args: PPOScriptArguments, training_args: PPOConfig, model_args: ModelConfig) -> None:
-    """Load the models and the prompts, train (or resume), save the final policy and critic (pushed if asked)."""
+def check_model_paths(training_args: PPOConfig, model_args: ModelConfig, given: set[str] | None = None) -> None:
+    """Refuse to fall back on `PPOConfig`'s TRL defaults (``EleutherAI/pythia-160m`` for the policy and the reward
+    model): a run should never train or score with a model nobody chose, and offline the download fails far from
+    here. ``given``: the options set explicitly (:func:`trl_ext.cli.given_options`); a path equal to the default
+    counts as chosen only when it is in ``given``."""
+    given = given or set()
+    default = PPOConfig.__dataclass_fields__["sft_model_path"].default
+    if not model_args.model_name_or_path and training_args.sft_model_path == default and "sft_model_path" not in given:
+        raise ValueError(
+            "Pass --model_name_or_path (the policy to train: a local folder or a Hub id). The recipe does not fall "
+            f"back on PPOConfig's default sft_model_path={default!r}; pass it explicitly if you want that model."
+        )
+    default = PPOConfig.__dataclass_fields__["reward_model_path"].default
+    if training_args.reward_model_path == default and "reward_model_path" not in given:
+        raise ValueError(
+            "Pass --reward_model_path (a 1-label sequence classifier or a value-head checkpoint: a local folder or a "
+            f"Hub id). The recipe does not fall back on PPOConfig's default {default!r} (a causal LM, not a reward "
+            "model); pass it explicitly if you want that model."
+        )
+
+
+def main(
+    script_args: PPOScriptArguments, training_args: PPOConfig, model_args: ModelConfig, given: set[str] | None = None
+) -> None:
+    """Load the models and the prompts, train (or resume), save the final policy and critic (pushed if asked).
+    ``given``: the options set explicitly (see :func:`check_model_paths`)."""
+    check_model_paths(training_args, model_args, given)
     policy_path = model_args.model_name_or_path or training_args.sft_model_path
     tokenizer = cli.load_tokenizer(policy_path, model_args)
     peft_config = get_peft_config(model_args)
@@ -84,4 +110,4 @@ def make_parser():
 
 
 if __name__ == "__main__":
-    main(*make_parser().parse_args_and_config())
+    main(*make_parser().parse_args_and_config(), given=cli.given_options())

@@ -18,6 +18,7 @@ from online_helpers import (
     EXAMPLES,
     RECIPES,
     accelerate_launch,
+    load_script,
     assert_help_lists,
     loaded_script,
     run,
@@ -185,3 +186,25 @@ def test_recipe_trains_and_saves_with_accelerate_launch(tiny_workdir):
     assert trained_summary(proc.stdout + proc.stderr) == [(4, 8, 1)]
     outputs = tiny_workdir / "outputs"
     assert_trained_policy_saved(outputs / "ppo-tiny", outputs / "tiny" / "policy")
+
+
+def test_recipe_requires_model_paths(tmp_path):
+    """TRL's defaults (EleutherAI/pythia-160m for policy and reward) are never used silently: a clear error names the
+    option; an explicit choice of that same id goes through."""
+    from trl import ModelConfig
+
+    from trl_ext import cli
+    from trl_ext.trainers import PPOConfig
+
+    recipe = load_script(RECIPE)
+    args = PPOConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, report_to="none")
+    with pytest.raises(ValueError, match="Pass --model_name_or_path"):
+        recipe.check_model_paths(args, ModelConfig())
+    with pytest.raises(ValueError, match="Pass --reward_model_path"):
+        recipe.check_model_paths(args, ModelConfig(model_name_or_path="my/policy"))
+    recipe.check_model_paths(args, ModelConfig(), given={"sft_model_path", "reward_model_path"})
+    config = tmp_path / "run.yaml"
+    config.write_text("reward_model_path: EleutherAI/pythia-160m\n")
+    given = cli.given_options(["--model-name-or-path", "x", "--config", str(config), "--seed=3"])
+    assert {"model_name_or_path", "reward_model_path", "seed", "config"} <= given
+    assert cli.given_options(["--config"]) == {"config"}

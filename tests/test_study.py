@@ -160,6 +160,8 @@ def test_tiny_study_runs_caches_and_reports(tmp_path, monkeypatch):
     assert [r["updates"] for r in reinforce] == [1, 2] and all(r["num_seeds"] == 2 for r in reinforce)
     for row in rows:
         assert row["reward_ci_low"] <= row["reward_mean"] <= row["reward_ci_high"]
+        for name in ("p_bad_0.5", "p_bad_0.99", "p_offensive_mean"):  # probabilities stay in their support
+            assert 0 <= row[f"{name}_ci_low"] <= row[f"{name}_mean"] <= row[f"{name}_ci_high"] <= 1
         values = [
             e["metrics"]["reward"]["value"]
             for s in summaries

@@ -48,6 +48,26 @@ def make_parser(dataclass_types: tuple, description: str) -> TrlParser:
     return TrlParser(dataclass_types, description=description, epilog=_EPILOG)
 
 
+def given_options(argv: list[str] | None = None) -> set[str]:
+    """Names of the options set explicitly, on the command line (``--name value`` / ``--name=value``) or in the
+    ``--config`` YAML file: what a recipe needs to tell a value the user chose from a dataclass default."""
+    import sys
+
+    import yaml
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    names = {arg[2:].split("=", 1)[0].replace("-", "_") for arg in argv if arg.startswith("--")}
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        else:
+            path = argv[i + 1] if arg == "--config" and i + 1 < len(argv) else None
+        if path and os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                names.update((yaml.safe_load(f) or {}).keys())
+    return names
+
+
 # ----------------------------------------------------------------------------------------------------- data
 def load_prompts(script_args: ScriptArguments):
     """The dataset dict named by `--dataset_name`: a Hub id, a saved folder or a single local data file."""

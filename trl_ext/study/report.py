@@ -5,6 +5,8 @@ A *point* pools the runs of one method setting at one number of updates over the
 by its mean over seeds and a Student-t interval ``mean ± t_{n−1} · s / √n`` over the seeds
 (:func:`~trl_ext.eval.metrics.t_interval`): seeds are the unit of replication, so the interval includes the
 training noise, not only the sampling noise of one evaluation. With one seed the interval is the point itself.
+Intervals of probabilities (``p_bad_*``, ``p_offensive_mean``) are clipped to ``[0, 1]``, their support: with three
+seeds a t-interval around a small probability would otherwise reach below zero.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ def frontier_rows(summaries: list[dict], confidence: float = 0.95) -> list[dict]
         names = [*_METRICS, *(f"p_bad_{t:g}" for t in thresholds)]
         for name in names:
             mean, low, high = t_interval([v[name] for v in values], confidence)
+            if name.startswith("p_"):  # probabilities: keep the interval inside their support
+                low, high = max(low, 0.0), min(high, 1.0)
             row.update({f"{name}_mean": mean, f"{name}_ci_low": low, f"{name}_ci_high": high})
         spu = seconds.get((method, setting, updates))
         row["seconds_per_update"] = sum(spu) / len(spu) if spu else float("nan")
