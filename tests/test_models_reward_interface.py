@@ -337,3 +337,55 @@ def test_as_reward_function_dispatch(rm, tiny_reward_dir):
         as_reward_function(model)
     with pytest.raises(TypeError, match="Cannot make a reward function"):
         as_reward_function(3)
+
+
+# ------------------------------------------------------------------------------------------------ TRL's convention
+def test_trl_reward_functions_work_as_rewards(tiny_tokenizer_pad_eos):
+    """`trl.rewards` functions (keyword call, conversational completions, completion_ids) are valid rewards."""
+    from trl.rewards import get_soft_overlong_punishment, think_format_reward
+
+    from trl_ext.models import as_reward_function
+
+    think = as_reward_function(think_format_reward)
+    assert think.completions_as == "messages" and think.by_keyword
+    scores = think(["q", "q"], ["<think>x</think>y", "no thinking"])
+    assert scores.tolist() == [1.0, 0.0]
+
+    # a GRPO-style function with a dataset column, called by keyword with only what it accepts
+    seen = {}
+
+    def matches_solution(completions, solution, **kwargs):
+        seen.update(kwargs)
+        return [float(c.strip() == s) for c, s in zip(completions, solution)]
+
+    reward = as_reward_function(matches_solution)
+    assert reward.completions_as == "text"
+    assert reward(["a", "b"], [" 4", "5"], solution=["4", "4"]).tolist() == [1.0, 0.0]
+    assert seen["prompts"] == ["a", "b"]  # **kwargs receive the prompts too, as in TRL
+
+    # completion_ids: token counts from the policy's own ids, padding removed
+    tok = tiny_tokenizer_pad_eos
+    punish = as_reward_function(get_soft_overlong_punishment(max_completion_len=4, soft_punish_cache=2))
+    ids = torch.tensor([[5, 6, 7, 8], [5, 6, tok.pad_token_id, tok.pad_token_id]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    prompt = torch.tensor([[5], [5]])
+    scores = punish.score_token_ids(prompt, ids, tok, torch.ones_like(prompt), mask)
+    assert scores.tolist() == [-1.0, 0.0]  # 4 tokens: fully punished (4 > 4 - 2); 2 tokens: none
+
+
+def test_trl_style_none_reward_is_refused_clearly():
+    from trl_ext.models import as_reward_function
+
+    def accuracy(completions, **kwargs):
+        return [1.0, None]
+
+    with pytest.raises(ValueError, match="returned None for rows \\[1\\].*map None to a reward"):
+        as_reward_function(accuracy)(["a", "b"], ["x", "y"])
+
+
+def test_positional_callables_keep_working():
+    from trl_ext.models import CallableReward
+
+    assert CallableReward(lambda p, c: [len(x) for x in c])(["a"], ["xyz"]).tolist() == [3.0]
+    with pytest.raises(ValueError, match="completions_as must be"):
+        CallableReward(lambda p, c: c, completions_as="json")

@@ -18,8 +18,8 @@ from online_helpers import (
     EXAMPLES,
     RECIPES,
     accelerate_launch,
-    load_script,
     assert_help_lists,
+    load_script,
     loaded_script,
     run,
 )

@@ -59,7 +59,11 @@ def _to_reward_tensor(values: Any, expected: int, source: str) -> torch.Tensor:
                 f"{source} returned {type(values).__name__}; expected a list of floats or a tensor."
             ) from None
         if any(v is None for v in items):
-            raise ValueError(f"{source} returned None for rows {[i for i, v in enumerate(items) if v is None][:5]}.")
+            rows = [i for i, v in enumerate(items) if v is None][:5]
+            raise ValueError(
+                f"{source} returned None for rows {rows} (TRL's 'not applicable'): trl_ext trains on one number per "
+                "completion; wrap the function to map None to a reward (e.g. 0.0 or a penalty)."
+            )
         try:
             tensor = torch.as_tensor([float(v) for v in items], dtype=torch.float32)
         except (TypeError, ValueError) as err:
@@ -127,9 +131,17 @@ class RewardFunction(abc.ABC):
         **kwargs,
     ) -> torch.Tensor:
         """Decode policy prompt / completion ids with the *policy* ``tokenizer`` (see :func:`decode_token_ids`),
-        then score the texts."""
+        then score the texts. The completions' own token ids (padding removed) go along as ``completion_ids``, the
+        keyword TRL gives reward functions that count tokens (e.g. ``trl.rewards.get_soft_overlong_punishment``)."""
         prompts = decode_token_ids(prompt_ids, tokenizer, prompt_mask, skip_special_tokens)
         completions = decode_token_ids(completion_ids, tokenizer, completion_mask, skip_special_tokens)
+        if "completion_ids" not in kwargs:
+            rows = (
+                completion_ids
+                if completion_mask is None
+                else [r[m.bool()] for r, m in zip(completion_ids, completion_mask)]
+            )
+            kwargs["completion_ids"] = [[int(t) for t in r] for r in rows]
         return self(prompts, completions, **kwargs)
 
 
@@ -226,16 +238,68 @@ class ModelReward(RewardFunction):
 
 
 class CallableReward(RewardFunction):
-    """Wrap ``fn(prompts, completions, **kwargs) -> list[float] | tensor``; the result is checked and converted."""
+    """Wrap a reward callable: trl_ext's ``fn(prompts, completions, **kwargs)`` or TRL's GRPO-style
+    ``fn(completions=..., prompts=..., **columns)`` (e.g. the functions of ``trl.rewards``).
 
-    def __init__(self, fn: Callable, name: str | None = None):
+    How it is called is read from its signature: a callable with a parameter named ``completions`` or
+    ``completion_ids`` is called by keyword, ``fn(prompts=..., completions=..., completion_ids=..., **kwargs)``, as
+    TRL calls reward functions; any other callable gets ``(prompts, completions)`` positionally. Each keyword (the
+    prompts, the completions, ``completion_ids`` when scoring token ids, dataset columns) is passed only when the
+    callable accepts it, by name or through ``**kwargs``.
+
+    ``completions_as``: ``"text"`` passes the completion strings; ``"messages"`` passes each one as a conversation
+    ``[{"role": "assistant", "content": text}]``, the form TRL gives conversational datasets' reward functions;
+    ``"auto"`` (default) chooses ``"messages"`` when the ``completions`` parameter is annotated as a list of
+    message lists (as ``trl.rewards.think_format_reward`` is), else ``"text"``. The result may be a list of floats
+    or a tensor, one per completion; ``None`` entries (TRL's "not applicable") are refused with a clear error.
+    """
+
+    COMPLETIONS_AS = ("auto", "text", "messages")
+
+    def __init__(self, fn: Callable, name: str | None = None, completions_as: str = "auto"):
         if not callable(fn):
             raise TypeError(f"CallableReward needs a callable, got {type(fn).__name__}.")
+        if completions_as not in self.COMPLETIONS_AS:
+            raise ValueError(f"completions_as must be one of {self.COMPLETIONS_AS}; got {completions_as!r}.")
         self.fn = fn
         self.name = name or getattr(fn, "__name__", type(fn).__name__)
+        self._params, self._var_kwargs = _signature_of(fn)
+        self.by_keyword = "completions" in self._params or "completion_ids" in self._params
+        if completions_as == "auto":
+            annotation = str(self._params.get("completions", ""))
+            completions_as = "messages" if self.by_keyword and "dict" in annotation else "text"
+        self.completions_as = completions_as
+
+    def _accepts(self, name: str) -> bool:
+        return self._var_kwargs or name in self._params
 
     def compute(self, prompts: list, completions: list, **kwargs) -> Any:
-        return self.fn(prompts, completions, **kwargs)
+        if self.completions_as == "messages":
+            completions = [c if isinstance(c, list) else [{"role": "assistant", "content": c}] for c in completions]
+        extra = {k: v for k, v in kwargs.items() if self._accepts(k)}
+        if not self.by_keyword:
+            return self.fn(prompts, completions, **extra)
+        for name, value in (("prompts", prompts), ("completions", completions)):
+            if self._accepts(name):
+                extra[name] = value
+        return self.fn(**extra)
+
+
+def _signature_of(fn: Callable) -> tuple[dict, bool]:
+    """``({name: annotation} of the named parameters, takes **kwargs)``; unknown signatures look permissive."""
+    import inspect
+
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return {}, True
+    params = {
+        name: p.annotation
+        for name, p in signature.parameters.items()
+        if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    }
+    var_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+    return params, var_kwargs
 
 
 def chat_template_markers(tokenizer, user_role: str = "user", assistant_role: str = "assistant") -> tuple[str, str]:
