@@ -66,6 +66,8 @@ def test_csv_holds_seed_means_and_t_intervals(tmp_path):
         assert row["num_seeds"] == "3" and row["threshold"] == "-5.0" and row["cvar_alpha"] == "0.05"
         for name, values in expected[row["method"]].items():
             mean, low, high = t_interval(values)
+            if name == "p_bad":  # probabilities: the interval is kept inside [0, 1]
+                low, high = max(low, 0.0), min(high, 1.0)
             for suffix, value in (("mean", mean), ("ci_low", low), ("ci_high", high)):
                 assert float(row[f"{name}_{suffix}"]) == pytest.approx(value, abs=1e-5), (row["method"], name, suffix)
                 assert returned[f"{name}_{suffix}"] == pytest.approx(float(row[f"{name}_{suffix}"]))
@@ -152,3 +154,26 @@ def test_recipe_repeated_run_flags_and_yaml_mapping(recipe, tmp_path):
         recipe.FrontierPlotArguments(run=["A=x.json", "A=y.json"]).method_reports()
     with pytest.raises(ValueError, match="Pass the runs"):
         recipe.FrontierPlotArguments().method_reports()
+
+
+def test_intervals_stay_in_the_support_and_blank_thresholds_warn(tmp_path, caplog):
+    """A 0/-1 reward: P(r < -0.5) intervals in [0, 1], mean reward and CVaR intervals in the sampled range [-1, 0];
+    a threshold below every reward warns that its panel is blank."""
+    import logging
+
+    from trl_ext.eval.metrics import frontier_metrics
+
+    def seed(num_bad: int) -> dict:
+        rewards = [-1.0] * num_bad + [0.0] * (20 - num_bad)
+        return {"metrics": frontier_metrics(rewards, thresholds=(-5.0, -0.5), cvar_alphas=(0.05,), num_resamples=50)}
+
+    reports = {"REINFORCE": [seed(1), seed(0), seed(0)], "RePULSe": [seed(4), seed(0), seed(1)]}
+    rows = plot_frontier(reports, output_prefix=tmp_path / "f", threshold=-0.5, cvar_alpha=0.05)["rows"]
+    for row in rows:
+        assert 0 <= row["p_bad_ci_low"] <= row["p_bad_mean"] <= row["p_bad_ci_high"] <= 1
+        assert -1 <= row["cvar_ci_low"] <= row["cvar_mean"] <= row["cvar_ci_high"] <= 0
+        assert -1 <= row["x_ci_low"] <= row["x_ci_high"] <= 0
+    assert rows[0]["p_bad_ci_low"] == 0.0  # the raw t-interval went below zero
+    with caplog.at_level(logging.WARNING, logger="trl_ext.eval.frontier"):
+        plot_frontier(reports, output_prefix=tmp_path / "g", threshold=-5.0, cvar_alpha=0.05)
+    assert "no report has a reward below threshold=-5" in caplog.text and "span [-1, 0]" in caplog.text

@@ -9,7 +9,10 @@ held-out reports of its seeds (as written by :func:`~trl_ext.eval.heldout.eval_h
    ``mean ± t_{n−1} · s / √n`` (:func:`~trl_ext.eval.metrics.t_interval`; the sample-level intervals inside each
    report are not used: seeds are the unit of replication). With one seed the interval is the point itself (and the
    CSV says so in ``note``). The paper used a percentile bootstrap over seeds; with 3–10 seeds the t-interval is
-   the standard, wider and better-calibrated choice;
+   the standard, wider and better-calibrated choice. Each interval is then **clipped to the metric's support**
+   (with few seeds a t-interval can leave it): ``P̂(r < τ)`` to ``[0, 1]``, the mean reward and CVaR to the range of
+   rewards sampled in the reports (``reward_range``; reports written before that key only get the probability
+   clipping). A threshold below every sampled reward in every report gets a warning: its panel shows only zeros;
 3. draws two panels — x vs ``P̂(r < τ)`` (log y axis when every point is positive) and x vs ``CVaR_α`` — with
    error bars in both directions, and writes ``<output_prefix>.png`` and ``<output_prefix>.csv`` atomically
    (a temporary file in the same folder, then ``os.replace``).
@@ -20,11 +23,15 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
+import math
 import os
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 
 from .metrics import FrontierMetrics, t_interval
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CSV_COLUMNS", "X_METRICS", "frontier_table", "load_report", "plot_frontier"]
 
@@ -89,7 +96,7 @@ def frontier_table(
             seeds = [seeds]
         if not seeds:
             raise ValueError(f"Method {method!r} has no report; pass at least one per method.")
-        xs, ps, cs = [], [], []
+        xs, ps, cs, lows, highs = [], [], [], [], []
         for i, report in enumerate(seeds):
             where = f"report {i} of method {method!r}"
             try:
@@ -99,14 +106,38 @@ def frontier_table(
                 cs.append(metrics.cvar_at(cvar_alpha).value)
             except ValueError as err:
                 raise ValueError(f"{where}: {err}") from None
+            low, high = metrics.reward_range or (-math.inf, math.inf)
+            lows.append(low)
+            highs.append(high)
+        support = {"p_bad": (0.0, 1.0), "cvar": (min(lows), max(highs))}
+        if x == "reward":  # a return also holds the KL penalty, outside the reward's range
+            support["x"] = support["cvar"]
         row = {"method": str(method), "num_seeds": len(seeds), "x_metric": x}
         for name, values in (("x", xs), ("p_bad", ps), ("cvar", cs)):
             mean, low, high = t_interval(values, confidence)
-            row.update({f"{name}_mean": mean, f"{name}_ci_low": low, f"{name}_ci_high": high})
+            bottom, top = support.get(name, (-math.inf, math.inf))
+            row.update({f"{name}_mean": mean, f"{name}_ci_low": max(low, bottom), f"{name}_ci_high": min(high, top)})
         row["threshold"], row["cvar_alpha"] = float(threshold), float(cvar_alpha)
         row["note"] = "one seed: no interval" if len(seeds) == 1 else f"{confidence:.0%} t-interval over seeds"
         rows.append({column: row[column] for column in CSV_COLUMNS})
+    _warn_if_no_event(rows, threshold, reports)
     return rows
+
+
+def _warn_if_no_event(rows: list[dict], threshold: float, reports) -> None:
+    """Warn when no report saw a reward below ``threshold``: P̂(r < τ) is 0 everywhere and the panel is blank."""
+    if rows and all(row["p_bad_mean"] == 0 for row in rows):
+        ranges = []
+        for seeds in reports.values():
+            for report in [seeds] if isinstance(seeds, (str, os.PathLike, Mapping)) else seeds:
+                if (found := load_report(report).reward_range) is not None:
+                    ranges.append(found)
+        seen = f" (the sampled rewards span [{min(r[0] for r in ranges):g}, {max(r[1] for r in ranges):g}])"
+        logger.warning(
+            "plot_frontier: no report has a reward below threshold=%g%s, so every P(r < %g) is 0 and that panel "
+            "is blank; pick a threshold inside the rewards' range (e.g. -0.5 for a 0/-1 reward).",
+            threshold, seen if ranges else "", threshold,
+        )  # fmt: skip
 
 
 def _atomic_write(path: str, write: Callable[[str], None]) -> str:
@@ -159,8 +190,8 @@ def _plot(rows: list[dict], path: str, *, threshold: float, cvar_alpha: float, x
         style = {"fmt": markers[i % len(markers)], "color": colours(i % 10), "capsize": 3, "label": row["method"]}
         left.errorbar(row["x_mean"], row["p_bad_mean"], xerr=_errors(row, "x"), yerr=_errors(row, "p_bad"), **style)
         right.errorbar(row["x_mean"], row["cvar_mean"], xerr=_errors(row, "x"), yerr=_errors(row, "cvar"), **style)
-    if all(row["p_bad_mean"] > 0 for row in rows):
-        left.set_yscale("log", nonpositive="clip")
+    if all(row["p_bad_ci_low"] > 0 for row in rows):  # a log axis would drop whiskers that reach 0
+        left.set_yscale("log")
     x_label = "mean reward" if x == "reward" else "mean return (reward − KL penalty)"
     left.set_xlabel(x_label)
     right.set_xlabel(x_label)

@@ -60,7 +60,8 @@ __all__ = [
     "tail_probability",
 ]
 
-DEFAULT_THRESHOLDS: tuple[float, ...] = (-6.0, -5.0, -4.0, -3.0, -2.0, -1.0, 0.0)
+# -0.5 is P(bad) of a 0/−1 reward (e.g. `LexicalReward`'s defaults); the integers cover reward-model scales.
+DEFAULT_THRESHOLDS: tuple[float, ...] = (-6.0, -5.0, -4.0, -3.0, -2.0, -1.0, -0.5, 0.0)
 DEFAULT_CVAR_ALPHAS: tuple[float, ...] = (0.01, 0.05, 0.1)
 P_BAD_INTERVALS: tuple[str, ...] = ("wilson", "bootstrap")
 
@@ -234,6 +235,8 @@ class FrontierMetrics:
     kl: IntervalEstimate | None = None
     entropy: IntervalEstimate | None = None
     intervals: dict[str, str] = field(default_factory=dict)
+    reward_range: tuple[float, float] | None = None
+    """``(min, max)`` of the sampled rewards: the support that the mean and CVaR intervals over seeds are kept in."""
 
     def tail(self, threshold: float) -> IntervalEstimate:
         """``P̂(r < threshold)`` (clear error when that threshold was not evaluated)."""
@@ -263,6 +266,7 @@ class FrontierMetrics:
             "entropy": optional(self.entropy),
             "p_bad": p_bad,
             "cvar": {metric_key(a): e.to_dict("num_worst") for a, e in self.cvar.items()},
+            "reward_range": list(self.reward_range) if self.reward_range is not None else None,
         }
 
     @classmethod
@@ -288,6 +292,7 @@ class FrontierMetrics:
             kl=optional("kl"),
             entropy=optional("entropy"),
             intervals=dict(d.get("intervals", {})),
+            reward_range=tuple(float(v) for v in d["reward_range"]) if d.get("reward_range") else None,
         )
 
 
@@ -362,6 +367,7 @@ def frontier_metrics(
             "p_bad": "Wilson score interval" if p_bad_interval == "wilson" else bootstrap_text,
             "cvar": bootstrap_text,
         },
+        reward_range=(float(x.min()), float(x.max())),
     )
     return metrics.to_dict()
 
