@@ -146,6 +146,10 @@ def test_tiny_study_runs_caches_and_reports(tmp_path, monkeypatch):
         assert metrics["num_samples"] == 7 * 2  # one held-out prompt per category, two samples each
         assert 0 <= summary["evals"][-1]["p_offensive_mean"] <= 1
     trained = [s for s in summaries if s["run"]["method"] != "initial"]
+    ppo = next(s for s in trained if s["run"]["trainer"] == "ppo")  # PPO's batch counts responses: same as the rest
+    assert (
+        ppo["trainer_options"]["per_device_train_batch_size"] == config.prompts_per_update * config.samples_per_prompt
+    )
     assert all(s["seconds_per_update"] > 0 and s["trainable_parameters"] > 0 for s in trained)
     # the trained policies moved away from the initial model (KL measured against it)
     assert any(abs(s["evals"][-1]["metrics"]["kl"]["value"]) > 0 for s in trained)

@@ -19,6 +19,9 @@ from typing import Any
 __all__ = ["TRAINERS", "MethodSpec", "RunSpec", "StudyConfig", "load_study_config"]
 
 TRAINERS = ("harmlessness", "ppo")
+# Bumped when the runner changes what a run of that trainer computes, so that its cached results are redone.
+# ppo 2: PPO gets prompts_per_update × samples_per_prompt responses per update like the others (it had 1/N of them).
+RUNNER_VERSIONS = {"harmlessness": 1, "ppo": 2}
 
 
 @dataclass
@@ -153,7 +156,7 @@ class StudyConfig:
 
     def run_key(self, run: RunSpec) -> str:
         """A short hash of everything that determines ``run``'s results."""
-        payload = {"shared": self.shared(), "run": dataclasses.asdict(run), "version": 1}
+        payload = {"shared": self.shared(), "run": dataclasses.asdict(run), "version": RUNNER_VERSIONS[run.trainer]}
         text = json.dumps(payload, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 

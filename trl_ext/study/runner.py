@@ -179,7 +179,11 @@ def _train(context: StudyContext, run: RunSpec) -> dict:
     if run.trainer == "ppo":
         from ..trainers import PPOConfig, PPOTrainer
 
-        options = {**common, "num_ppo_epochs": 2, "num_mini_batches": 1, **run.options}
+        # PPOConfig's batch counts responses (prompts per rollout = batch / num_samples_per_prompt): the same
+        # responses per update as the other methods.
+        responses = config.prompts_per_update * config.samples_per_prompt
+        options = {**common, "per_device_train_batch_size": responses, "num_ppo_epochs": 2, "num_mini_batches": 1}
+        options.update(run.options)
         steps_per_update = options["num_ppo_epochs"] * options["num_mini_batches"]
         args = PPOConfig(**options, max_steps=updates * steps_per_update)
         value_model = _value_model(context.model, config.trainable_layers)
