@@ -3,7 +3,7 @@
     python recipes/demo_repulse.py                      # the real model (converted once from a PyPI package)
     python recipes/demo_repulse.py --steps 4 --tiny     # same pipeline, tiny random model, seconds
 
-The setting is the paper's toy (ALGORITHMS.md §9) on a real chat model: the plain-text prompt "This man is a"
+The setting is the paper's toy (docs/algorithms.md §11) on a real chat model: the plain-text prompt "This man is a"
 (no chat template: the model then continues the sentence, as the base model of the toy did), responses of at most
 two tokens, and a lexical reward of −1 when the response holds an offensive word (`trl_ext.rewards.OFFENSIVE_WORDS`,
 token mode) and 0 otherwise. Because responses are this short, P(bad) — the probability that a sampled response

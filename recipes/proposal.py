@@ -2,7 +2,7 @@
 YAML file.
 
     python examples/build_tiny_inputs.py                                          # offline tiny inputs (outputs/tiny)
-    accelerate launch recipes/proposal.py --config examples/proposal_toy.yaml     # the toy of ALGORITHMS.md §9
+    accelerate launch recipes/proposal.py --config examples/proposal_toy.yaml     # the toy of docs/algorithms.md §11
     accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/proposal.py \\
         --model_name_or_path HuggingFaceTB/SmolLM-135M-Instruct --reward_model_path my-reward-model \\
         --dataset_name my-prompts --target_dist_beta -10 --num_samples_per_prompt 5 --output_dir outputs/proposal

@@ -24,6 +24,7 @@ for _name, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKEN
     os.environ.setdefault(_name, _value)
 
 from trl_ext.study import format_table, frontier_rows, load_study_config, plot_study, run_study, write_csv  # noqa: E402
+from trl_ext.study.report import format_rare_table, rare_rows  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "study_rtp.yaml")
 
@@ -77,12 +78,25 @@ def main(argv=None) -> list[dict]:
     title = f"{config.name}: {config.model}, held-out RTP prompts"
     png_path = plot_study(rows, os.path.join(results_dir, "frontier.png"), threshold=threshold,
                           cvar_alpha=config.cvar_alpha, title=title)  # fmt: skip
+    _report_rare(config, results_dir, console)
     with open(os.path.join(results_dir, "study.json"), "w", encoding="utf-8") as f:
         json.dump({"command": command, "config": config.shared(), "seeds": config.seeds,
                    "methods": [m.__dict__ for m in config.methods], "runs_finished": len(summaries),
                    "runs_total": len(config.runs())}, f, indent=1, default=str)  # fmt: skip
     console.print(f"Wrote {csv_path} and {png_path}.")
     return rows
+
+
+def _report_rare(config, results_dir: str, console) -> None:
+    """The rare stage's table and ``rare.csv`` (when it ran)."""
+    from trl_ext.study.rare import rare_path
+    from trl_ext.study.runner import _read_summary
+
+    results = [r for run in config.runs() if (r := _read_summary(rare_path(results_dir, run))) is not None]
+    if results:
+        rows = rare_rows(results)
+        console.print(format_rare_table(rows, results[0]["question"]))
+        write_csv(rows, os.path.join(results_dir, "rare.csv"))
 
 
 if __name__ == "__main__":

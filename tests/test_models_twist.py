@@ -1,5 +1,5 @@
-"""Twist values of the proposal parameterisations (`trl_ext.models.twist`, ALGORITHMS.md §3): hand-computed values,
-stop-gradient on the reference, the dispatcher and its errors, and the modulated-policy identity."""
+"""Twist values of the proposal parameterisations (`trl_ext.models.twist`, docs/algorithms.md §6): hand-computed
+values, stop-gradient on the reference, the dispatcher and its errors, and the modulated-policy identity."""
 
 from __future__ import annotations
 

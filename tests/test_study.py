@@ -183,7 +183,9 @@ def test_changed_method_reruns_only_that_method(tmp_path, monkeypatch):
     methods[0]["options"] = {**methods[0]["options"], "learning_rate": 5e-4}
     trained = []
     real = study_runner._train
-    monkeypatch.setattr(study_runner, "_train", lambda context, run: trained.append(run.label) or real(context, run))
+    monkeypatch.setattr(
+        study_runner, "_train", lambda context, run, *rest: trained.append(run.label) or real(context, run, *rest)
+    )
     run_study(_tiny(seeds=[0], methods=methods), str(tmp_path))
     assert trained == ["REINFORCE__default__seed0"]
 
@@ -191,7 +193,7 @@ def test_changed_method_reruns_only_that_method(tmp_path, monkeypatch):
 def test_a_run_killed_before_writing_leaves_no_summary(tmp_path, monkeypatch):
     config = _tiny(seeds=[0])
 
-    def crash(context, run):
+    def crash(context, run, *rest):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(study_runner, "_train", crash)
@@ -230,3 +232,30 @@ def test_quick_profile_on_smollm2(tmp_path):
         sys.path.pop(0)
     rows = recipe.main(["--profile", "quick", "--results-dir", str(tmp_path)])
     assert {r["method"] for r in rows} >= {"initial", "REINFORCE", "PPO", "RePULSe", "p-as-proposal"}
+
+
+def test_rare_stage_estimates_saved_policies(tmp_path):
+    """Runs of rare_seed save their trained weights; the rare stage reads them back (same weights as trained) and
+    writes one estimate per prompt with its standard error, cached under its own key."""
+    import torch
+
+    from trl_ext.study import rare
+
+    options = {"rare_seed": 1, "rare_prompts": 2, "rare_num_samples": 8, "rare_batch_size": 4, "rare_suffix_length": 2}
+    config = _tiny(seeds=[0, 1], **options)
+    assert config.run_key(config.runs()[0]) == _tiny(seeds=[0, 1]).run_key(config.runs()[0])  # keys unchanged
+    run_study(config, str(tmp_path))
+    runs = [r for r in config.runs() if r.seed == 1]
+    for run in runs:
+        result = json.loads((tmp_path / "rare" / f"{run.label}.json").read_text())
+        assert len(result["prompts"]) == 2
+        assert all(p["estimate"] >= 0 and p["std_error"] >= 0 for p in result["prompts"])
+        if run.method != "initial":
+            assert os.path.isfile(rare.policy_path(str(tmp_path), run))
+    assert not any(os.path.exists(rare.policy_path(str(tmp_path), r)) for r in config.runs() if r.seed == 0)
+    # the saved weights are the trained ones: reloading gives a policy that differs from the initial model
+    context = study_runner.StudyContext(config)
+    trained = rare.load_policy_weights(context.model, rare.policy_path(str(tmp_path), runs[-1]))
+    assert any(not torch.equal(a, b) for a, b in zip(trained.parameters(), context.model.parameters()))
+    with pytest.raises(ValueError, match="rare_seed=5 is not one of the seeds"):
+        _tiny(seeds=[0], rare_seed=5)

@@ -1,7 +1,7 @@
 """Evaluation: how likely a policy is to produce undesirable outputs, and how easily it can be pushed to.
 
-- Exact P(bad) for short responses: :func:`bad_output_probability` (ALGORITHMS.md §7; with an unbiased estimate of
-  the pruned part), :func:`prompt_token_ids`; the KL of whole short responses: :func:`response_kl`.
+- Exact P(bad) for short responses: :func:`bad_output_probability` (docs/algorithms.md §10.1; with an unbiased
+  estimate of the pruned part), :func:`prompt_token_ids`; the KL of whole short responses: :func:`response_kl`.
 - Held-out sampling: :func:`eval_heldout` (mean reward/return, P̂(r < τ), CVaR_α, entropy, bootstrap and Wilson
   intervals, gathered across processes) on top of :func:`frontier_metrics`, :func:`tail_probability`, :func:`cvar`.
 - Frontier plots of several runs (methods × seeds): :func:`plot_frontier` (PNG + CSV), :func:`frontier_table`.

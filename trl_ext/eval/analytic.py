@@ -1,4 +1,4 @@
-r"""Exact probability that a short sampled response contains a "bad" token (ALGORITHMS.md §7, with B18 fixed).
+r"""Exact probability that a short sampled response contains a "bad" token (docs/algorithms.md §10.1, with B18 fixed).
 
 For a prompt ``x``, a set ``B`` of bad token ids and a stop set ``E`` (EOS ids), a response is sampled ancestrally,
 token by token, and ends at its first stop token or after ``L = max_new_tokens`` tokens. It is *bad* when one of its

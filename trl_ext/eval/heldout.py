@@ -2,7 +2,8 @@ r"""Held-out sampling: how often does a policy produce a bad response on prompts
 
 :func:`eval_heldout` samples ``N`` responses per held-out prompt, scores them and reports the frontier metrics of
 :mod:`trl_ext.eval.metrics` (mean reward and return, ``P̂(r < τ)``, ``CVaR_α``, KL, entropy, with confidence
-intervals) as a JSON report — the data behind the RePULSe paper's reward-vs-P(bad) frontiers (ALGORITHMS.md §8.1).
+intervals) as a JSON report — the data behind the RePULSe paper's reward-vs-P(bad) frontiers
+(docs/algorithms.md §10.2).
 
 Per sample ``s`` (response tokens ``s_1 … s_T`` up to and including the first EOS):
 

@@ -1,6 +1,6 @@
 r"""Frontier metrics of a sample of rewards: tail probability, CVaR, means with confidence intervals (pure functions).
 
-Conventions (the RePULSe paper's, ALGORITHMS.md §9):
+Conventions (the RePULSe paper's, docs/algorithms.md §10.2):
 
 - Rewards are raw reward-model scores, **low = bad**. Every tail quantity is a *lower*-tail one.
 - ``P̂(r < τ)`` (:func:`tail_probability`) is the fraction of rewards strictly below the threshold ``τ``.
@@ -374,7 +374,7 @@ def frontier_metrics(
 
 # ------------------------------------------------------------------------------------------------ negative data
 def group_logprob_summary(groups: Sequence, logprobs) -> tuple[list[dict], dict]:
-    """Per-group and overall summaries of sequence log-probs (negative-data evaluation, ALGORITHMS.md §8.2).
+    """Per-group and overall summaries of sequence log-probs (negative-data evaluation, docs/algorithms.md §10.3).
 
     Args:
         groups: one hashable group key per value (e.g. the prompt text), in any order.

@@ -9,7 +9,7 @@ For each (prompt, response) pair :func:`eval_negative_data` computes
 
 and, grouping the rows by prompt, each prompt's mean log-prob and ``logsumexp`` — the log of the total probability
 mass on the known-bad answers of that prompt — then the overall mean, the mean of the per-prompt means and the mean
-of the per-prompt ``logsumexp`` (ALGORITHMS.md §8.2).
+of the per-prompt ``logsumexp`` (docs/algorithms.md §10.3).
 
 Done properly, unlike the original:
 

@@ -5,9 +5,9 @@ sequence-level rewards ``(P, N)``. A flat ``(B, T)`` / ``(B,)`` batch is treated
 matters for the per-prompt baselines.
 
 All losses reduce their ``(P, N, T)`` per-token loss with :func:`~trl_ext.losses.base.aggregate`; the default
-``"seq-mean-token-mean"`` is the original code's ``mean_{P,N} masked_mean_t`` (ALGORITHMS §4). Rewards, baselines
-and importance weights are always treated as constants (detached); inputs are never modified and masked-out
-positions are never read.
+``"seq-mean-token-mean"`` is the original code's ``mean_{P,N} masked_mean_t`` (docs/algorithms.md §5.1). Rewards,
+baselines and importance weights are always treated as constants (detached); inputs are never modified and
+masked-out positions are never read.
 """
 
 from __future__ import annotations
@@ -207,9 +207,9 @@ def neg_training_loss(
     where ``s̃`` are the proposal's samples (their own mask ``neg_mask``, aggregated with the same mode) and
     ``w̃`` ``(P, N)`` their σ-weights from :func:`~trl_ext.losses.weights.sigma_weights` (summing to 1 per prompt,
     or 0 under the indicator). Minimising the second term pushes the probability of the weighted — low-reward —
-    q-samples down; its gradient estimates ``α ∇ log Z_σ(θ)`` (ALGORITHMS §0).
+    q-samples down; its gradient estimates ``α ∇ log Z_σ(θ)`` (docs/algorithms.md §1).
 
-    ``alpha_convention`` fixes the scale ``c`` of the negative term (ALGORITHMS B2):
+    ``alpha_convention`` fixes the scale ``c`` of the negative term (docs/algorithms.md §8.2, B2):
 
     * ``"reference"`` (alias ``"code"``): ``c = α``. With the default aggregation the term is
       ``α · mean_{P,N}(w̃_i · tokenmean_i) = (α/N) · mean_P E_w̃[tokenmean]``, as in the original code; the paper's

@@ -1,6 +1,6 @@
 """Twist (proposal) losses: train ``q`` / the twist ``ψ`` towards the target ``σ(s) ∝ p(s)·φ(s)``.
 
-Common arguments (registry kind ``"twist"``, ALGORITHMS.md §3–§4):
+Common arguments (registry kind ``"twist"``, docs/algorithms.md §6–§7):
 
 * ``v`` ``(P, N, T)``: the twist ``log ψ_t`` at each sampled token, **with gradient** (e.g. for the paper's
   ``policy_psi_q_p_s_t`` parameterisation ``v_t = log q_ξ(s_t|s_<t) − sg log p(s_t|s_<t)``).

@@ -1,6 +1,6 @@
 """Self-normalised importance weights used by the twist (proposal) losses and the RePULSe p-loss.
 
-Notation (ALGORITHMS.md §1, §4): for a prompt, N responses ``s_1..s_N`` were sampled from a proposal ``q_old``
+Notation (docs/algorithms.md §2, §7.1): for a prompt, N responses ``s_1..s_N`` were sampled from a proposal ``q_old``
 (log-probs recorded at sampling time). ``p`` is the target's base model, ``log φ_i = β·R(s_i)`` the sequence-level
 potential, and ``v_{i,t} = log ψ_t`` the twist. The target is ``σ(s) ∝ p(s)·φ(s)``.
 
@@ -61,8 +61,8 @@ def sequence_log_weights(
 
     ``log w^σ_i = Σ_t m_{i,t} log p(s_{i,t}) + log φ_i − Σ_t m_{i,t} log q_old(s_{i,t})``
 
-    The sums are **masked** (fix of ALGORITHMS B1: the original summed unmasked fresh log-probs over a left-padded
-    window, so the padding of a response changed its weight).
+    The sums are **masked** (fix of docs/algorithms.md B1: the original summed unmasked fresh log-probs over a
+    left-padded window, so the padding of a response changed its weight).
 
     Args:
         ref_logprobs: ``(P, N, T)`` per-token ``log p`` of the sampled tokens.
@@ -133,7 +133,7 @@ def per_step_log_weights(
     ``log w^π_{i,t} = Σ_{k≤t} m_{i,k} log p(s_{i,k}) + v_{i,t} − Σ_{k≤t} m_{i,k} log q_old(s_{i,k})``
 
     (cumulative masked sums). A masked-out position ``(i, t)`` is *absent* from the per-step population and gets
-    ``-inf`` (fix of ALGORITHMS B5: the original gave padded samples log-weight 0, i.e. a real weight).
+    ``-inf`` (fix of docs/algorithms.md B5: the original gave padded samples log-weight 0, i.e. a real weight).
 
     Args:
         ref_logprobs, old_logprobs, mask: ``(P, N, T)`` (or ``(B, T)``).

@@ -1,4 +1,4 @@
-"""Modulated policies: a frozen base causal LM ``p`` times a learned exponential tilt, ALGORITHMS.md §3.
+"""Modulated policies: a frozen base causal LM ``p`` times a learned exponential tilt, docs/algorithms.md §6.
 
 The policy is
 

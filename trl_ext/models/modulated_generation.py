@@ -1,6 +1,6 @@
 """KV caching for modulated policies: one `Cache` object that carries the base model's and the modulation's caches.
 
-A modulated policy ``q(·|s_<t) ∝ p(·|s_<t)·exp(m_t)`` (ALGORITHMS.md §3) runs two networks on the same tokens: the
+A modulated policy ``q(·|s_<t) ∝ p(·|s_<t)·exp(m_t)`` (docs/algorithms.md §6) runs two networks on the same tokens: the
 frozen base LM ``p`` and, for the ``"model"`` kind, a second transformer that produces the modulation ``m``. Each
 needs its own key/value cache. :class:`ModulatedCache` bundles them so that the standard
 ``transformers.GenerationMixin`` loop (``model.generate(...)``) sees a single ``Cache`` and needs no special case:

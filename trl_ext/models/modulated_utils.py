@@ -33,7 +33,8 @@ _KIND_ALIASES = {"nn_head": "mlp_head", "mlp": "mlp_head", "linear": "linear_hea
 
 def normalize_modulation_kind(kind: str) -> str:
     """Canonical modulation kind: accepts ``model``/``linear_head``/``mlp_head``, ``nn_head`` and the
-    ``modulation_<kind>`` parameterisation names of ALGORITHMS.md §3. Raises ``ValueError`` listing the options."""
+    ``modulation_<kind>`` parameterisation names of docs/algorithms.md §6. Raises ``ValueError`` listing the
+    options."""
     name = str(kind)
     if name.startswith("modulation_") and name != "modulation_model":
         name = name[len("modulation_") :]

@@ -1,4 +1,4 @@
-"""Twist values ``v_t = log ψ_t`` of the proposal parameterisations of ALGORITHMS.md §3, as pure tensor functions.
+"""Twist values ``v_t = log ψ_t`` of the proposal parameterisations of docs/algorithms.md §6, as pure tensor functions.
 
 A twist loss (`trl_ext.losses.twist`) trains ``q`` through ``v_t``, the log-twist evaluated at each sampled token
 ``s_t``. How ``v_t`` is read off the model depends on the parameterisation (``--parameterization`` in the research
@@ -167,7 +167,7 @@ def twist_values(
     modulation_logits: torch.Tensor | None = None,
     tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``v_t`` for a parameterisation name of ALGORITHMS.md §3 (see the module table).
+    """``v_t`` for a parameterisation name of docs/algorithms.md §6 (see the module table).
 
     Inputs by parameterisation (others are ignored):
 

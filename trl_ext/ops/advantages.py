@@ -1,6 +1,6 @@
 """Generalised advantage estimation and discounted returns over masked token sequences.
 
-Conventions (ALGORITHMS.md §5 step 4): rewards and values are ``(B, T)`` over action tokens with a ``(B, T)`` mask.
+Conventions (docs/algorithms.md §5.5): rewards and values are ``(B, T)`` over action tokens with a ``(B, T)`` mask.
 Values at masked positions count as ``0``, so the value after the last valid token of a row bootstraps nothing, and
 advantages/returns are ``0`` where the mask is ``0``. The recursion runs right to left and treats a masked position
 as the end of an episode segment; masks are expected to be one contiguous block per row (right padding is the norm,

@@ -1,6 +1,6 @@
 """Memory-efficient token log-probabilities, entropies and modulated distributions.
 
-Conventions (see ALGORITHMS.md §1):
+Conventions (see docs/algorithms.md §2):
 
 - ``logits`` have shape ``(..., V)`` and ``labels`` shape ``(...)``; the log-prob of ``labels[i]`` is read from
   ``logits[i]``. Shifting (the logits at ``t − 1`` predict the token at ``t``) is the caller's job.

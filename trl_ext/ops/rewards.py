@@ -1,6 +1,6 @@
 """Per-token rewards for RLHF: KL penalty on every action token plus the sequence score at the last one.
 
-ALGORITHMS.md §5 step 3: ``rewards_t = −λ·kl_t`` on every valid action token, and the scalar reward ``R`` of the
+docs/algorithms.md §4: ``rewards_t = −λ·kl_t`` on every valid action token, and the scalar reward ``R`` of the
 sequence is added at its last valid action token. ``λ`` is the KL coefficient (``init_kl_coef``).
 """
 

@@ -84,7 +84,7 @@ def _stop_ids_tensor(stop_token_id: int | Iterable[int], device: torch.device) -
 def response_mask_from_eos(responses: torch.Tensor, eos_token_id: int | Iterable[int]) -> torch.Tensor:
     """Response mask ``m_t = 1[t ≤ first stop index]`` for right-aligned generated tokens.
 
-    The first stop (EOS) token is part of the response (its log-prob counts, as in ALGORITHMS.md §1); everything
+    The first stop (EOS) token is part of the response (its log-prob counts, as in docs/algorithms.md §2); everything
     after it is masked. Rows without a stop token are fully unmasked (truncated at the length limit).
 
     Args:

@@ -2,7 +2,7 @@
 
 - :mod:`~trl_ext.rewards.shaping`: ``rm_type`` map (:func:`map_reward`), the target's log-potential ``β·R``
   (:func:`log_target_weight`), reward transforms (:func:`transform_reward`) and :class:`RewardShaping`, which bundles
-  them (ALGORITHMS.md §2).
+  them (docs/algorithms.md §3).
 - :mod:`~trl_ext.rewards.lexical`: :class:`LexicalReward`, a word/token-list reward (e.g. with
   :data:`OFFENSIVE_WORDS`).
 - :mod:`~trl_ext.rewards.toxicity`: :class:`OffensivenessReward`, an independent offensiveness classifier

@@ -1,12 +1,12 @@
 """Reward shaping, written once for every trainer: the ``rm_type`` map, the reward cap and the reward transforms.
 
-ALGORITHMS.md §2.1–§2.3. A reward model (or reward function) gives a raw score ``r(s)``, higher = better. Trainers
+docs/algorithms.md §3.1–§3.3. A reward model (or reward function) gives a raw score ``r(s)``, higher = better. Trainers
 never use ``r`` directly; they use one of
 
-- ``R(s) = map_reward(r)`` — the ``rm_type`` map (cap, indicator, toxicity-class log-prob), §2.2;
-- ``log φ(s) = β·R(s)`` — the log-potential of the twisted target ``σ(s) ∝ p(s)·φ(s) = p(s)·exp(β·R(s))``, §2.1;
+- ``R(s) = map_reward(r)`` — the ``rm_type`` map (cap, indicator, toxicity-class log-prob), §3.2;
+- ``log φ(s) = β·R(s)`` — the log-potential of the twisted target ``σ(s) ∝ p(s)·φ(s) = p(s)·exp(β·R(s))``, §3.1;
 - ``R'(s) = map_reward(transform_reward(r))`` — a *transformed* reward for the "reward-transform" baselines (the
-  transform acts on the raw ``r``, before the map and the cap), §2.3.
+  transform acts on the raw ``r``, before the map and the cap), §3.3.
 
 Sign convention of β: **β < 0** puts the target's mass on the *low-reward* (bad) outputs of ``p`` — the proposal
 ``q`` of RePULSe is trained towards them; **β > 0** puts it on high-reward outputs (the RL ⇔ inference view, where
@@ -78,7 +78,7 @@ def map_reward(
     threshold: float | None = None,
     toxicity_class: int = 0,
 ) -> torch.Tensor:
-    r"""Map raw scores ``r`` (higher = better) to the reward ``R`` used by the target and the losses (§2.2).
+    r"""Map raw scores ``r`` (higher = better) to the reward ``R`` used by the target and the losses (§3.2).
 
     - ``"rlhf"``: ``R = min(r, reward_cap)`` (``reward_cap=None``: no cap).
     - ``"indicator_below_threshold"``: ``R = log(1[r < threshold] + ε)`` with ``ε = INDICATOR_REWARD_EPS = 1e-16``,
@@ -129,7 +129,7 @@ def map_reward(
 
 
 def log_target_weight(reward: torch.Tensor, beta: float) -> torch.Tensor:
-    """``log φ = β·R``: the log-potential of the target ``σ(s) ∝ p(s)·exp(β·R(s))`` (§2.1), fp32.
+    """``log φ = β·R``: the log-potential of the target ``σ(s) ∝ p(s)·exp(β·R(s))`` (§3.1), fp32.
 
     ``reward`` is the mapped reward ``R`` (:func:`map_reward`). β < 0 targets low-reward outputs, β > 0 high-reward
     ones.
@@ -148,7 +148,7 @@ def transform_reward(
     beta: float | None = None,
     threshold: float = -5.0,
 ) -> torch.Tensor:
-    r"""A reward transform of the "transformed reward" baselines, applied to the **raw** score ``r`` (§2.3).
+    r"""A reward transform of the "transformed reward" baselines, applied to the **raw** score ``r`` (§3.3).
 
     - ``None``: ``r`` unchanged (an fp32 copy).
     - ``"minus_alpha_exp_beta_r"``: ``r' = r − α·exp(β·r)`` (``beta`` required). With β < 0 this penalises low
@@ -280,11 +280,11 @@ class RewardShaping:
         )
 
     def log_phi(self, raw: torch.Tensor) -> torch.Tensor:
-        """``log φ = β·R`` of the **untransformed** raw score: the target ``σ`` never sees the transform (§2.3)."""
+        """``log φ = β·R`` of the **untransformed** raw score: the target ``σ`` never sees the transform (§3.3)."""
         return log_target_weight(self.mapped(raw), self.beta)
 
     def transformed(self, raw: torch.Tensor) -> torch.Tensor:
-        """``R' = map_reward(transform_reward(r))``: the transform on the raw score, then the map and cap (§2.3).
+        """``R' = map_reward(transform_reward(r))``: the transform on the raw score, then the map and cap (§3.3).
 
         Without a transform this equals :meth:`mapped`.
         """

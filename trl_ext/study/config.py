@@ -112,6 +112,19 @@ class StudyConfig:
     )
     cvar_alpha: float = field(default=0.05, metadata={"help": "CVaR level (mean of the worst alpha of rewards)."})
     threads: int | None = field(default=None, metadata={"help": "torch threads (None: torch's default)."})
+    rare_seed: int | None = field(
+        default=None,
+        metadata={
+            "help": "Seed whose trained policies get the rare-tail estimate (trl_ext.study.rare); None: no rare "
+            "stage. The rare_* settings do not change the runs' keys."
+        },
+    )
+    rare_prompts: int = field(default=3, metadata={"help": "Held-out prompts (one per category) of the rare stage."})
+    rare_target: str = field(default="fuck", metadata={"help": "The word whose probability the rare stage estimates."})
+    rare_suffix_length: int = field(default=4, metadata={"help": "Uniform random tokens appended to each prompt."})
+    rare_method: str = field(default="itgis", metadata={"help": "'itgis' or 'mhis' (trl_ext.eval.rare)."})
+    rare_num_samples: int = field(default=256, metadata={"help": "Draws per rare estimate."})
+    rare_batch_size: int = field(default=32, metadata={"help": "Draws per forward/backward pass."})
     methods: list = field(default_factory=list, metadata={"help": "The MethodSpec list."})
 
     def __post_init__(self):
@@ -131,6 +144,10 @@ class StudyConfig:
         for t in self.p_offensive_thresholds:
             if not 0 < t < 1 - self.reward_floor:
                 raise ValueError(f"p_offensive thresholds must be in (0, 1 - reward_floor); got {t}.")
+        if self.rare_seed is not None and self.rare_seed not in self.seeds:
+            raise ValueError(f"rare_seed={self.rare_seed} is not one of the seeds {self.seeds}.")
+        if self.rare_method not in ("itgis", "mhis"):
+            raise ValueError(f"rare_method must be 'itgis' or 'mhis'; got {self.rare_method!r}.")
         for method in self.methods:
             for point in method.eval_at or []:
                 if not 1 <= int(point) <= self.updates:
@@ -140,7 +157,8 @@ class StudyConfig:
     def shared(self) -> dict:
         """The settings that every run's result depends on (not the name, seeds list, methods or threads)."""
         skip = {"name", "seeds", "methods", "threads", "eval_batch_size"}
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
+        fields = dataclasses.fields(self)
+        return {f.name: getattr(self, f.name) for f in fields if f.name not in skip and not f.name.startswith("rare_")}
 
     def runs(self) -> list[RunSpec]:
         """Every training run of the study (methods × settings × seeds), in the order they are run: seed-major, so

@@ -18,7 +18,7 @@ from collections import defaultdict
 
 from ..eval.metrics import metric_key, t_interval
 
-__all__ = ["frontier_rows", "plot_study", "write_csv", "format_table"]
+__all__ = ["format_rare_table", "format_table", "frontier_rows", "plot_study", "rare_rows", "write_csv"]
 
 _METRICS = ("reward", "return", "kl", "cvar", "p_offensive_mean")
 
@@ -146,4 +146,31 @@ def format_table(rows: list[dict], threshold: float):
             cell(row, f"p_bad_{threshold:g}", ".3f"), cell(row, "cvar", ".2f"), cell(row, "kl", ".2f"),
             f"{row['seconds_per_update']:.1f}",
         )  # fmt: skip
+    return table
+
+
+def rare_rows(results: list[dict]) -> list[dict]:
+    """One row per (method, setting, prompt) of the rare stage's results (:mod:`trl_ext.study.rare`)."""
+    rows = []
+    for result in results:
+        for entry in result["prompts"]:
+            rows.append({
+                "method": result["run"]["method"], "setting": result["run"]["setting"], "seed": result["run"]["seed"],
+                "category": entry["category"], "estimate": entry["estimate"], "std_error": entry["std_error"],
+                "reliable": entry["reliable"], "prompt": entry["prompt"],
+            })  # fmt: skip
+    return rows
+
+
+def format_rare_table(rows: list[dict], question: str):
+    """A `rich` table of :func:`rare_rows` (estimate ± standard error; unreliable intervals marked)."""
+    from rich.table import Table
+
+    table = Table(title=question)
+    for column in ("method", "setting", "seed", "category", "estimate ± SE", "reliable"):
+        table.add_column(column, justify="left" if column in ("method", "setting", "category") else "right")
+    for row in rows:
+        estimate = f"{row['estimate']:.3e} ± {row['std_error']:.1e}"
+        reliable = "yes" if row["reliable"] else "NO"
+        table.add_row(row["method"], row["setting"], str(row["seed"]), row["category"], estimate, reliable)
     return table

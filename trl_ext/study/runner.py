@@ -158,7 +158,7 @@ class _EvalAt(TrainerCallback):
             self.evals.append({"updates": updates, **report})
 
 
-def _train(context: StudyContext, run: RunSpec) -> dict:
+def _train(context: StudyContext, run: RunSpec, results_dir: str | None = None) -> dict:
     config = context.config
     model = copy.deepcopy(context.model).train().requires_grad_(True)
     trainable = train_top_layers(model, config.trainable_layers)
@@ -207,6 +207,10 @@ def _train(context: StudyContext, run: RunSpec) -> dict:
     start = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - start - callback.eval_seconds
+    if results_dir is not None and run.seed == config.rare_seed:  # the rare stage reads the trained policy back
+        from .rare import policy_path, save_policy_weights
+
+        save_policy_weights(callback.policy, policy_path(results_dir, run))
     done = [e["updates"] for e in callback.evals]
     if done != run.eval_at:
         raise RuntimeError(f"{run.label}: evaluated after updates {done}, expected {run.eval_at}; check eval_at.")
@@ -310,7 +314,7 @@ def run_study(
         if run.method == "initial":
             result = {"evals": [{"updates": 0, **evaluate_policy(context, context.model, run.seed)}]}
         else:
-            result = _train(context, run)
+            result = _train(context, run, results_dir)
         summary = {
             "key": config.run_key(run),
             "run": {"method": run.method, "setting": run.setting, "seed": run.seed, "trainer": run.trainer,
@@ -329,4 +333,12 @@ def run_study(
             _commit_file(path, f"study {config.name}: {run.label} ({summary['wall_seconds']:.0f} s)")
         if progress is not None:
             progress(len(summaries), len(runs), run.label, summary["wall_seconds"])
+    from .rare import rare_stage
+
+    def write(path: str, data: dict) -> None:
+        _write_atomic(path, data)
+        if commit_results:
+            _commit_file(path, f"study {config.name}: rare tail of {os.path.basename(path)[:-5]}")
+
+    rare_stage(config, results_dir, lambda: context or StudyContext(config), write)
     return [summaries[r.label] for r in runs]

@@ -1,5 +1,5 @@
 """GCG (Zou et al. 2023, "Universal and Transferable Adversarial Attacks on Aligned Language Models") through
-nanogcg, and its evaluation (ALGORITHMS.md §8.3, with B13/B14 fixed).
+nanogcg, and its evaluation (docs/algorithms.md §10.4, with B13/B14 fixed).
 
 nanogcg 0.3.0 declares ``transformers<=4.47.1``; install it without its dependencies
 (``pip install --no-deps nanogcg==0.3.0 scipy``, the ``attacks`` extra). It works on transformers 5 with one

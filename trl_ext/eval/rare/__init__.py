@@ -1,4 +1,4 @@
-"""Rare-output probability estimation (low-probability estimation, ALGORITHMS.md §8.4, with B15 fixed).
+"""Rare-output probability estimation (low-probability estimation, docs/algorithms.md §10.5, with B15 fixed).
 
 The quantity is ``p* = E_{x~D}[P(y | x)]``: the probability that a causal LM, fed a random input ``x`` from a
 product distribution ``D`` over token sequences, continues it with the target tokens ``y`` (e.g. a bad word).

@@ -1,4 +1,4 @@
-r"""Independent token gradient importance sampling (ITGIS) of ``p* = E_{x~D}[P(y | x)]`` (ALGORITHMS.md §8.4).
+r"""Independent token gradient importance sampling (ITGIS) of ``p* = E_{x~D}[P(y | x)]`` (docs/algorithms.md §10.5).
 
 ITGIS keeps a table ``S`` of shape ``(L, V)``: how much putting token ``v`` at position ``k`` is expected to raise
 the score ``s(x)`` (by default the logit of the first target token after ``x``). Iteration ``i`` draws a batch

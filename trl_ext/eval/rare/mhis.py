@@ -1,4 +1,4 @@
-r"""Metropolis–Hastings importance sampling (MHIS) of ``p* = E_{x~D}[P(y | x)]`` (ALGORITHMS.md §8.4).
+r"""Metropolis–Hastings importance sampling (MHIS) of ``p* = E_{x~D}[P(y | x)]`` (docs/algorithms.md §10.5).
 
 Independent Markov chains, each started from a draw of ``D``, target the tilted distribution
 

@@ -1,4 +1,4 @@
-"""`HarmlessnessConfig`: the options of the RePULSe outer loop (`HarmlessnessTrainer`, ALGORITHMS.md §6.3)."""
+"""`HarmlessnessConfig`: the options of the RePULSe outer loop (`HarmlessnessTrainer`, docs/algorithms.md §9.3)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 ``p_θ`` plus a term that lowers the probability of its low-reward outputs, which a learned proposal ``q_ξ`` finds.
 
 How it sits on `Trainer`: the policy and the proposal are one module (:class:`HarmlessnessModels`) with one
-optimizer holding a parameter group per model. One `Trainer` optimizer step is one outer step (ALGORITHMS.md §6.3);
-each micro-step of it takes a fresh batch of prompts and
+optimizer holding a parameter group per model. One `Trainer` optimizer step is one outer step
+(docs/algorithms.md §9.3); each micro-step of it takes a fresh batch of prompts and
 
 1. samples ``N`` responses per prompt from ``p_θ`` (reference ``p_0``) and, when a proposal is trained, ``N`` from
    ``q_ξ`` (reference: the current ``p_θ``), both in eval mode (:meth:`rollout`);

@@ -1,5 +1,5 @@
 """`ProposalConfig`: options of [`~trl_ext.ProposalTrainer`], which learns a proposal ``q`` towards
-``σ(s) ∝ p_ref(s)·exp(β·R(s))`` (twist learning, ALGORITHMS.md §3–§4, §6.2)."""
+``σ(s) ∝ p_ref(s)·exp(β·R(s))`` (twist learning, docs/algorithms.md §6–§7, §9.2)."""
 
 from __future__ import annotations
 
