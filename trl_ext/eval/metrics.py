@@ -132,47 +132,16 @@ def cvar(rewards, alpha: float) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ seed-level CIs
-def _t_two_sided_mass(t: float, df: int) -> float:
-    """``P(|T| ≤ t)`` for Student's t with integer ``df`` (closed-form finite series, Abramowitz & Stegun 26.7.3–4)."""
-    theta = math.atan(t / math.sqrt(df))
-    s, c2 = math.sin(theta), math.cos(theta) ** 2
-    if df % 2 == 1:
-        if df == 1:
-            return 2.0 * theta / math.pi
-        term = total = math.cos(theta)
-        for k in range(1, (df - 3) // 2 + 1):
-            term *= c2 * (2 * k) / (2 * k + 1)
-            total += term
-        return 2.0 / math.pi * (theta + s * total)
-    term = total = 1.0
-    for k in range(1, (df - 2) // 2 + 1):
-        term *= c2 * (2 * k - 1) / (2 * k)
-        total += term
-    return s * total
-
-
 def t_quantile(confidence: float, df: int) -> float:
-    """The two-sided Student-t quantile: ``t`` with ``P(|T_df| ≤ t) = confidence`` (12.706 for 0.95 and df=1).
+    """The two-sided Student-t quantile: ``t`` with ``P(|T_df| ≤ t) = confidence`` (12.706 for 0.95 and df=1),
+    from `scipy.stats.t`."""
+    from scipy.stats import t
 
-    Exact for integer ``df ≥ 1`` (bisection on the closed-form CDF to ~1e-12), no scipy needed.
-    """
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence must be in (0, 1), e.g. 0.95; got {confidence}.")
     if int(df) != df or df < 1:
         raise ValueError(f"df must be a positive integer; got {df}.")
-    df = int(df)
-    low, high = 0.0, 1.0
-    while _t_two_sided_mass(high, df) < confidence:
-        low, high = high, high * 2.0
-    for _ in range(200):
-        mid = 0.5 * (low + high)
-        if _t_two_sided_mass(mid, df) < confidence:
-            low = mid
-        else:
-            high = mid
-        if high - low < 1e-12 * max(1.0, high):
-            break
-    return 0.5 * (low + high)
+    return float(t.ppf(0.5 + confidence / 2, int(df)))
 
 
 def t_interval(values, confidence: float = 0.95) -> tuple[float, float, float]:

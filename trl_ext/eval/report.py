@@ -81,11 +81,12 @@ def bootstrap_ci(
     confidence: float = 0.95,
     seed: int = 0,
 ) -> tuple[float, float]:
-    """Percentile bootstrap confidence interval of ``statistic`` over the 1-D sample ``values``.
+    """Percentile bootstrap confidence interval of ``statistic`` over the 1-D sample ``values``
+    (`scipy.stats.bootstrap`, ``method="percentile"``, seeded).
 
-    ``statistic`` is called on a ``(num_resamples, n)`` array with ``axis=-1`` when it accepts it (numpy reductions
-    such as ``np.mean`` do: one vectorised call), otherwise once per resample on a 1-D array. A sample of one value
-    (or a constant sample) gives a zero-width interval at the statistic's value.
+    ``statistic`` is called on the resamples with ``axis=-1`` when it accepts it (numpy reductions such as ``np.mean``
+    do: vectorised calls), otherwise once per resample on a 1-D array. A sample of one value (or a constant sample)
+    gives a zero-width interval at the statistic's value.
     """
     _check_confidence(confidence)
     if num_resamples < 1:
@@ -95,31 +96,37 @@ def bootstrap_ci(
     x = np.asarray(values, dtype=np.float64).reshape(-1)
     if x.size == 0:
         raise ValueError("bootstrap_ci needs at least one value.")
-    rng = np.random.default_rng(seed)
-    samples = x[rng.integers(0, x.size, size=(num_resamples, x.size))]
-    try:
-        stats = np.asarray(statistic(samples, axis=-1), dtype=np.float64)
-        if stats.shape != (num_resamples,):
-            raise TypeError
-    except TypeError:
-        stats = np.array([float(statistic(row)) for row in samples])
-    alpha = (1.0 - confidence) / 2
-    low, high = np.quantile(stats, [alpha, 1.0 - alpha])
-    return float(low), float(high)
+    if x.size == 1 or bool((x == x[0]).all()):
+        value = float(statistic(x))
+        return value, value
+    from scipy.stats import bootstrap
+
+    def vectorised(sample, axis=-1):
+        try:
+            stats = np.asarray(statistic(sample, axis=axis), dtype=np.float64)
+            if stats.shape == sample.shape[:-1]:
+                return stats
+        except TypeError:
+            pass
+        return np.apply_along_axis(lambda row: float(statistic(row)), -1, sample)
+
+    result = bootstrap(
+        (x,), vectorised, n_resamples=num_resamples, confidence_level=confidence, method="percentile",
+        vectorized=True, rng=np.random.default_rng(seed),
+    )  # fmt: skip
+    return float(result.confidence_interval.low), float(result.confidence_interval.high)
 
 
 def binomial_ci(successes: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:
-    """Wilson score interval of a proportion ``successes / trials``."""
+    """Wilson score interval of a proportion ``successes / trials`` (`scipy.stats.binomtest`)."""
     _check_confidence(confidence)
     if trials < 1:
         raise ValueError(f"binomial_ci needs trials >= 1; got {trials}.")
     if not 0 <= successes <= trials:
         raise ValueError(f"successes must be in [0, trials={trials}]; got {successes}.")
-    z = normal_quantile(confidence)
-    p = successes / trials
-    denom = 1 + z * z / trials
-    centre = (p + z * z / (2 * trials)) / denom
-    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denom
-    low = 0.0 if successes == 0 else max(0.0, centre - half)  # exact ends: no rounding residue at 0 or n
-    high = 1.0 if successes == trials else min(1.0, centre + half)
+    from scipy.stats import binomtest
+
+    interval = binomtest(successes, trials).proportion_ci(confidence_level=confidence, method="wilson")
+    low = 0.0 if successes == 0 else max(0.0, float(interval.low))  # exact ends: no rounding residue at 0 or n
+    high = 1.0 if successes == trials else min(1.0, float(interval.high))
     return low, high
