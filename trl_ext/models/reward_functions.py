@@ -419,7 +419,9 @@ class RemoteReward(RewardFunction):
     Posts ``{"query": [prompt + completion, ...], "prompts": [prompt, ...]}`` as JSON and reads ``{"rewards": [...]}``
     (``"scores"`` is accepted too). Connection errors, timeouts, 429 and 5xx replies are retried up to ``retries``
     times with exponential backoff (``backoff · 2^k`` seconds); other 4xx replies raise at once with the server's
-    message. Uses only the standard library.
+    message. Uses only the standard library: `huggingface_hub.utils.http_backoff` would do the retries, but its
+    client refuses *every* URL when ``HF_HUB_OFFLINE=1`` (checked with huggingface_hub 1.33), which is exactly how
+    offline training with a local reward server runs (``tests/test_models_reward_interface.py`` runs offline).
 
     Args:
         url: endpoint URL.
