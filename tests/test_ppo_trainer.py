@@ -308,3 +308,22 @@ def test_the_reference_policy_is_stated_in_the_log(
         make_trainer(ppo_args(tmp_path), tiny_gpt_neox_dir, tiny_reward_dir, tiny_prompt_dataset, ref=False)
     assert "PPO reference policy: the separate frozen model GPTNeoXForCausalLM" in caplog.text
     assert "frozen copy of the initial policy" in caplog.text
+
+
+# ------------------------------------------------------------------------------------------------ loggers
+def test_tensorboard_logging_offline(tmp_path, tiny_gpt_neox_dir, tiny_reward_dir):
+    """`report_to="tensorboard"` (installed by `make setup`) writes the PPO metrics as scalars, offline."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    args = ppo_args(tmp_path, report_to="tensorboard")
+    logs = tmp_path / "out"  # transformers 5 writes TensorBoard events under the output folder
+    trainer = make_trainer(args, tiny_gpt_neox_dir, tiny_reward_dir, kit.prompt_dataset(n=8))
+    trainer.train()
+    events = [p for p in logs.rglob("events.out.tfevents.*")]
+    assert events, f"no event file under {logs}"
+    accumulator = EventAccumulator(str(events[0].parent))
+    accumulator.Reload()
+    tags = set(accumulator.Tags()["scalars"])
+    assert {"train/objective/kl", "train/objective/scores", "train/loss/policy_avg"} <= tags, sorted(tags)
+    assert len(accumulator.Scalars("train/objective/scores")) == trainer.state.global_step
