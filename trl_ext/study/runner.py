@@ -45,6 +45,9 @@ _COMMON_OPTIONS = {
     "use_cpu": True,
     "stop_token": "eos",
     "disable_tqdm": True,
+    # TRL-style configs checkpoint activations by default; with frozen lower blocks that makes every backward run
+    # through the whole model. Off for every method (the same gradients, less time).
+    "activation_checkpointing": False,
 }
 
 
@@ -196,7 +199,7 @@ def _train(context: StudyContext, run: RunSpec, results_dir: str | None = None) 
     else:
         from ..trainers import HarmlessnessConfig, HarmlessnessTrainer
 
-        options = {**common, "activation_checkpointing": False, **run.options}
+        options = {**common, **run.options}
         args = HarmlessnessConfig(**options, max_steps=updates)
         callback = _EvalAt(context, run, 1)
         trainer = HarmlessnessTrainer(
