@@ -1,7 +1,7 @@
 """Evaluate a policy on held-out prompts: mean reward/return, P(r < τ), CVaR_α with confidence intervals (JSON report).
 
     python recipes/eval_heldout.py --model_name_or_path outputs/tiny/policy --prompts_file outputs/tiny/prompts.jsonl \
-        --reward_words idiot,fool --output_path outputs/eval/heldout.json
+        --lexical_words idiot,fool --output_path outputs/eval/heldout.json
     accelerate launch --num_processes 2 recipes/eval_heldout.py --config my_eval.yaml     # prompts split over 2 ranks
     python recipes/eval_heldout.py --help                                                 # every option
 
@@ -9,7 +9,7 @@
   (usually the initial model).
 - Reward: ``--reward_model_path`` (a 1-label sequence classifier or an OpenRLHF value-head checkpoint; one with the
   policy's vocabulary scores token ids, one with its own tokenizer scores the (question, answer) pair of the decoded
-  texts, see ``--reward_input``) or ``--reward_words w1,w2`` (a `LexicalReward`: ``--lexical_present_reward`` when a
+  texts, see ``--reward_input``) or ``--lexical_words w1,w2`` (a `LexicalReward`: ``--lexical_present_reward`` when a
   response contains one of the words, else ``--lexical_absent_reward``).
 - Prompts: ``--dataset_name`` (Hub id, saved folder or data file; split ``--dataset_split``) or ``--prompts_file``
   (a local .jsonl/.json/.csv/.parquet file), prompts in the column ``--prompt_column``.
@@ -42,14 +42,18 @@ class HeldoutEvalArguments:
         default=None, metadata={"help": "dtype to load the models in ('float32', 'bfloat16', 'auto', ...)."}
     )
     reward_model_path: str | None = field(
-        default=None, metadata={"help": "Reward model checkpoint (local folder or Hub id); or use --reward_words."}
+        default=None, metadata={"help": "Reward model checkpoint (local folder or Hub id); or use --lexical_words."}
     )
-    reward_words: str | None = field(
+    lexical_words: str | None = field(
         default=None,
-        metadata={"help": "Comma-separated words: a LexicalReward scores a response containing one of them as bad."},
+        metadata={
+            "help": "Comma-separated words: a LexicalReward scores a response containing one of them as bad "
+            "(the training recipes' option name; --reward_words is an alias).",
+            "aliases": ["--reward_words"],
+        },
     )
     lexical_present_reward: float = field(
-        default=-1.0, metadata={"help": "Reward of a response that contains one of --reward_words."}
+        default=-1.0, metadata={"help": "Reward of a response that contains one of --lexical_words."}
     )
     lexical_absent_reward: float = field(default=0.0, metadata={"help": "Reward of any other response."})
     reward_input: str = field(
@@ -77,7 +81,13 @@ class HeldoutEvalArguments:
     )
     max_prompts: int | None = field(default=None, metadata={"help": "Evaluate only the first N prompts."})
     num_samples_per_prompt: int = field(default=8, metadata={"help": "Responses sampled per prompt."})
-    max_new_tokens: int = field(default=20, metadata={"help": "Longest response, in tokens."})
+    response_length: int = field(
+        default=20,
+        metadata={
+            "help": "Longest response, in tokens (the trainers' option name; --max_new_tokens is an alias).",
+            "aliases": ["--max_new_tokens"],
+        },
+    )
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature."})
     top_k: int | None = field(default=None, metadata={"help": "Top-k sampling (default: off, as in the paper)."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling threshold (1.0: off)."})
@@ -104,9 +114,9 @@ class HeldoutEvalArguments:
     def __post_init__(self):
         if self.model_name_or_path is None:
             raise ValueError("Pass --model_name_or_path (the policy to evaluate).")
-        if (self.reward_model_path is None) == (self.reward_words is None):
+        if (self.reward_model_path is None) == (self.lexical_words is None):
             raise ValueError(
-                "Pass exactly one of --reward_model_path (a reward model) and --reward_words (w1,w2,...)."
+                "Pass exactly one of --reward_model_path (a reward model) and --lexical_words (w1,w2,...)."
             )
         if (self.dataset_name is None) == (self.prompts_file is None):
             raise ValueError("Pass exactly one of --dataset_name and --prompts_file (where the held-out prompts are).")
@@ -117,11 +127,11 @@ class HeldoutEvalArguments:
 
     @property
     def words(self) -> list[str]:
-        """``--reward_words`` split on commas (a YAML list is accepted too)."""
-        raw = self.reward_words if isinstance(self.reward_words, (list, tuple)) else str(self.reward_words).split(",")
+        """``--lexical_words`` split on commas (a YAML list is accepted too)."""
+        raw = self.lexical_words if isinstance(self.lexical_words, (list, tuple)) else str(self.lexical_words).split(",")
         words = [w.strip() for w in raw if str(w).strip()]
         if not words:
-            raise ValueError("--reward_words holds no word; pass e.g. --reward_words idiot,fool.")
+            raise ValueError("--lexical_words holds no word; pass e.g. --lexical_words idiot,fool.")
         return words
 
 
@@ -129,7 +139,7 @@ def build_reward(args: HeldoutEvalArguments, tokenizer):
     """The reward to score samples with: a `LexicalReward`, the reward model itself (token ids), or a text reward."""
     from trl_ext.rewards import LexicalReward
 
-    if args.reward_words is not None:
+    if args.lexical_words is not None:
         return LexicalReward(
             words=args.words, present_reward=args.lexical_present_reward, absent_reward=args.lexical_absent_reward
         )
@@ -186,7 +196,7 @@ def main(args: HeldoutEvalArguments) -> dict:
         build_reward(args, tokenizer),
         ref_model=ref,
         num_samples_per_prompt=args.num_samples_per_prompt,
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=args.response_length,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,

@@ -242,8 +242,8 @@ def test_real_single_process_accelerator(policy, tokenizer, reward):
 def test_recipe_help_lists_the_options():
     assert_help_lists(
         RECIPE,
-        ("--model_name_or_path", "--ref_model_name_or_path", "--reward_words", "--reward_model_path", "--prompts_file",
-         "--dataset_name", "--num_samples_per_prompt", "--thresholds", "--cvar_alphas", "--kl_coef", "--output_path",
+        ("--model_name_or_path", "--ref_model_name_or_path", "--lexical_words", "--reward_words", "--reward_model_path",
+         "--prompts_file", "--dataset_name", "--num_samples_per_prompt", "--thresholds", "--cvar_alphas", "--kl_coef", "--output_path",
          "--no_progress", "--config"),
     )  # fmt: skip
 
@@ -279,6 +279,7 @@ def test_recipe_tiny_run_writes_the_report(recipe, tiny_inputs, tmp_path):
     written = json.loads(output.read_text())
     assert written["num_prompts"] == 6 and written["num_samples"] == 18
     assert set(written["metrics"]["p_bad"]) == {"-0.5", "0.0"}
+    assert written["config"]["max_new_tokens"] == 5  # the YAML's old names reach the fields through their aliases
     assert written["config"]["model"] == str(policy_dir) and written["config"]["kl_coef"] == 0.1
     assert abs(written["metrics"]["kl"]["value"]) < 1e-4  # reference = the same checkpoint
     assert written["metrics"]["reward"] == returned["metrics"]["reward"]
@@ -288,10 +289,10 @@ def test_recipe_arguments_are_validated(recipe):
     with pytest.raises(ValueError, match="exactly one of --reward_model_path"):
         recipe.HeldoutEvalArguments(model_name_or_path="m", prompts_file="p.jsonl")
     with pytest.raises(ValueError, match="exactly one of --dataset_name and --prompts_file"):
-        recipe.HeldoutEvalArguments(model_name_or_path="m", reward_words="a")
+        recipe.HeldoutEvalArguments(model_name_or_path="m", lexical_words="a")
     with pytest.raises(ValueError, match="--kl_coef > 0 needs --ref_model_name_or_path"):
-        recipe.HeldoutEvalArguments(model_name_or_path="m", reward_words="a", prompts_file="p", kl_coef=0.1)
-    args = recipe.HeldoutEvalArguments(model_name_or_path="m", reward_words=" idiot, fool ,", prompts_file="p")
+        recipe.HeldoutEvalArguments(model_name_or_path="m", lexical_words="a", prompts_file="p", kl_coef=0.1)
+    args = recipe.HeldoutEvalArguments(model_name_or_path="m", lexical_words=" idiot, fool ,", prompts_file="p")
     assert args.words == ["idiot", "fool"]
 
 
@@ -311,3 +312,11 @@ def test_two_gloo_processes_give_the_single_process_report(tiny_inputs, tmp_path
     one, two = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "two.json"))
     assert one.pop("num_processes") == 1 and two.pop("num_processes") == 2
     assert two == one
+
+
+def test_recipe_config_typos_fail_clearly(recipe, tmp_path):
+    """TRL's parser drops unknown --config keys silently; ours names them, with the closest option."""
+    config = tmp_path / "eval.yaml"
+    config.write_text("model_name_or_path: m\nlexical_word: idiot\n")
+    with pytest.raises(ValueError, match=r"'lexical_word' \(did you mean 'lexical_words'\?\)"):
+        recipe.make_parser().parse_args_and_config(["--config", str(config)])

@@ -43,9 +43,41 @@ _EPILOG = (
 )
 
 
+class RecipeParser(TrlParser):
+    """`TrlParser` whose ``--config`` YAML keys may be any spelling of an option (its aliases, dashes) and must name
+    one: TRL's parser silently drops unknown keys, so a typo in a config file went unnoticed."""
+
+    def set_defaults_with_config(self, **kwargs) -> list[str]:
+        import difflib
+
+        names = {}
+        for action in self._actions:
+            for option in action.option_strings:
+                if option.startswith("--"):
+                    names[option[2:].replace("-", "_")] = action.dest
+        mapped, unknown = {}, []
+        for key, value in kwargs.items():
+            dest = names.get(str(key).replace("-", "_"))
+            if dest is None:
+                unknown.append(key)
+            else:
+                mapped[dest] = value
+        if unknown:
+            hints = []
+            for key in unknown:
+                close = difflib.get_close_matches(str(key), names, 1)
+                hints.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+            raise ValueError(
+                f"The --config file sets options this recipe does not have: {', '.join(hints)}. Remove them or fix "
+                "their names (`--help` lists every option)."
+            )
+        return super().set_defaults_with_config(**mapped)
+
+
 def make_parser(dataclass_types: tuple, description: str) -> TrlParser:
-    """A recipe's argument parser over ``dataclass_types`` (``--config file.yaml`` supported)."""
-    return TrlParser(dataclass_types, description=description, epilog=_EPILOG)
+    """A recipe's argument parser over ``dataclass_types`` (``--config file.yaml`` supported, see
+    :class:`RecipeParser`)."""
+    return RecipeParser(dataclass_types, description=description, epilog=_EPILOG)
 
 
 def given_options(argv: list[str] | None = None) -> set[str]:
@@ -186,7 +218,11 @@ class RewardScriptArguments(ScriptArguments):
     )
     lexical_words: list[str] | None = field(
         default=None,
-        metadata={"help": "Lexical reward instead of a model: a response containing one of these words is bad."},
+        metadata={
+            "help": "Lexical reward instead of a model: a response containing one of these words is bad "
+            "(--reward_words is an alias).",
+            "aliases": ["--reward_words"],
+        },
     )
     lexical_present_reward: float = field(
         default=-1.0, metadata={"help": "Raw reward of a response that contains one of `lexical_words`."}
