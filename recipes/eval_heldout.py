@@ -128,7 +128,8 @@ class HeldoutEvalArguments:
     @property
     def words(self) -> list[str]:
         """``--lexical_words`` split on commas (a YAML list is accepted too)."""
-        raw = self.lexical_words if isinstance(self.lexical_words, (list, tuple)) else str(self.lexical_words).split(",")
+        given = self.lexical_words
+        raw = given if isinstance(given, (list, tuple)) else str(given).split(",")
         words = [w.strip() for w in raw if str(w).strip()]
         if not words:
             raise ValueError("--lexical_words holds no word; pass e.g. --lexical_words idiot,fool.")

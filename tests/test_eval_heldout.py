@@ -242,9 +242,9 @@ def test_real_single_process_accelerator(policy, tokenizer, reward):
 def test_recipe_help_lists_the_options():
     assert_help_lists(
         RECIPE,
-        ("--model_name_or_path", "--ref_model_name_or_path", "--lexical_words", "--reward_words", "--reward_model_path",
-         "--prompts_file", "--dataset_name", "--num_samples_per_prompt", "--thresholds", "--cvar_alphas", "--kl_coef", "--output_path",
-         "--no_progress", "--config"),
+        ("--model_name_or_path", "--ref_model_name_or_path", "--lexical_words", "--reward_words",
+         "--reward_model_path", "--prompts_file", "--dataset_name", "--num_samples_per_prompt", "--thresholds",
+         "--cvar_alphas", "--kl_coef", "--output_path", "--no_progress", "--config"),
     )  # fmt: skip
 
 
