@@ -8,7 +8,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dev,quantization,attacks,serve,eval,toxicity,tensorboard
+EXTRAS ?= dev,peft,quantization,attacks,serve,eval,toxicity,tensorboard
 # The lock: exact versions of everything `make setup` and `make demo` install. `make setup LOCK=` installs unpinned.
 LOCK ?= requirements/lock.txt
 CONSTRAINTS := $(if $(LOCK),-c $(LOCK))

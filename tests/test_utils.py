@@ -34,3 +34,15 @@ def test_unwrap_model_strips_engine_compile_and_peft_wrappers():
     assert unwrap_model(wrapped) is model  # LoRA layers stay inside
     assert unwrap_model(wrapped, peft=False) is peft_model
     assert unwrap_model(model) is model
+
+
+def test_require_peft_names_the_extra(monkeypatch):
+    """PEFT is optional: without it, an adapter feature fails with the install command, not a bare ImportError."""
+    import sys
+
+    from trl_ext.utils import require_peft
+
+    require_peft("LoRA")  # installed here: no error
+    monkeypatch.setitem(sys.modules, "peft", None)
+    with pytest.raises(ImportError, match=r"LoRA needs PEFT.*pip install 'trl_ext\[peft\]'"):
+        require_peft("LoRA")

@@ -1,4 +1,5 @@
-"""Small helpers every layer uses, in one place: the train/eval-mode guard and stripping wrapper modules.
+"""Small helpers every layer uses, in one place: the train/eval-mode guard, stripping wrapper modules, and the
+check that the optional PEFT dependency is installed.
 
 This module imports only torch, so any layer (ops, models, rollout, trainers, eval) may use it.
 """
@@ -10,7 +11,19 @@ from collections.abc import Iterator
 
 from torch import nn
 
-__all__ = ["eval_mode", "unwrap_model"]
+__all__ = ["eval_mode", "require_peft", "unwrap_model"]
+
+
+def require_peft(feature: str) -> None:
+    """Raise a clear `ImportError` naming ``feature`` when PEFT (an optional dependency) is not installed."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("peft") is not None
+    except (ImportError, ValueError):  # a broken or stubbed-out module
+        found = False
+    if not found:
+        raise ImportError(f"{feature} needs PEFT, an optional dependency: pip install 'trl_ext[peft]'.")
 
 
 @contextlib.contextmanager

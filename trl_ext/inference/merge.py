@@ -20,6 +20,8 @@ import json
 import logging
 import os
 
+from ..utils import require_peft
+
 __all__ = ["MODEL_KINDS", "detect_model_kind", "merge_lora"]
 
 logger = logging.getLogger(__name__)
@@ -129,6 +131,7 @@ def merge_lora(
     Returns:
         The merged model (a plain ``transformers`` model, or a ``ValueHeadRewardModel`` for OpenRLHF-style bases).
     """
+    require_peft("merging LoRA adapters")
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

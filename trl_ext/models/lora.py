@@ -33,7 +33,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from torch import nn
 
-from ..utils import unwrap_model
+from ..utils import require_peft, unwrap_model
 from .quantization import keep_4bit_layers_trainable
 
 __all__ = [
@@ -305,6 +305,7 @@ def build_lora_config(
     turned into PEFT's `exclude_modules`. `fan_in_fan_out` is set to True when a target is a transformers `Conv1D`
     (GPT-2) unless given in `lora_kwargs`.
     """
+    require_peft("LoRA")
     from peft import LoraConfig
 
     if r <= 0:
@@ -411,6 +412,7 @@ def apply_lora(
     Raises:
         ValueError: the model is already a PEFT model, or no layer to adapt is found.
     """
+    require_peft("LoRA")
     from peft import get_peft_model
 
     if is_peft_model(model) or getattr(model, "_hf_peft_config_loaded", False):
@@ -455,6 +457,7 @@ def apply_lora(
 def is_peft_model(model: nn.Module) -> bool:
     """True when `model` (possibly wrapped by DDP / `torch.compile`) is a `peft.PeftModel`."""
     try:
+        require_peft("LoRA")
         from peft import PeftModel
     except ImportError:  # pragma: no cover - peft is a hard dependency
         return False

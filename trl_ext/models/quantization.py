@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from ..utils import require_peft
+
 __all__ = [
     "QUANTIZATION_INSTALL_HINT",
     "bnb_4bit_config",
@@ -338,6 +340,7 @@ def load_model(
         f", {_describe_quantization(quantization_config)}" if quantized else "",
     )
     if prepare_for_training and is_quantized(model):
+        require_peft("k-bit training")
         from peft import prepare_model_for_kbit_training
 
         keep_4bit_layers_trainable(model)

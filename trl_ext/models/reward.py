@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..ops.sequences import last_token_index, position_ids_from_attention_mask
-from ..utils import unwrap_model
+from ..utils import require_peft, unwrap_model
 from .quantization import bnb_4bit_config, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -524,6 +524,7 @@ def load_reward_model(
         model, _ = _load_sequence_classifier(name_or_path, shapes, config, load_kwargs)
 
     if lora_path is not None:
+        require_peft("loading a LoRA reward-model checkpoint")
         from peft import PeftModel
 
         target = model.backbone if isinstance(model, ValueHeadRewardModel) else model

@@ -55,6 +55,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from trl.trainer.utils import FusedCausalLMOutput
 
 from ..ops.logprobs import logprobs_from_hidden, logprobs_from_logits
+from ..utils import require_peft
 from .critic import default_value_head_std
 from .fused_patch import RefusesTrlForwardPatch
 
@@ -577,6 +578,7 @@ def prepare_value_head_for_peft(model: AutoModelForCausalLMWithValueHead, peft_c
         modules.append("v_head")
     peft_config.modules_to_save = modules
     if peft_config.target_modules is None:
+        require_peft("LoRA on a value-head model")
         from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
 
         model_type = model.config.get_text_config().model_type

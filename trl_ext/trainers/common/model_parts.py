@@ -18,6 +18,7 @@ from torch import nn
 
 from ...models.lora import is_peft_model
 from ...models.quantization import keep_4bit_layers_trainable
+from ...utils import require_peft
 
 __all__ = ["ModelParts", "add_adapters", "shares_parameters"]
 
@@ -30,6 +31,7 @@ def shares_parameters(a: nn.Module, b: nn.Module) -> bool:
 def add_adapters(model: nn.Module, peft_config, what: str = "model", prepare: Callable | None = None) -> nn.Module:
     """``get_peft_model(model, peft_config)`` after checking that ``peft_config`` is a `peft.PeftConfig` and that
     ``model`` (named ``what`` in errors) has no adapters yet; ``prepare`` may rewrite the config first."""
+    require_peft("peft_config (adapters)")
     from peft import PeftConfig, get_peft_model
 
     if not isinstance(peft_config, PeftConfig):
