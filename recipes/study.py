@@ -24,7 +24,7 @@ for _name, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKEN
     os.environ.setdefault(_name, _value)
 
 from trl_ext.study import format_table, frontier_rows, load_study_config, plot_study, run_study, write_csv  # noqa: E402
-from trl_ext.study.report import format_rare_table, rare_rows  # noqa: E402
+from trl_ext.study.report import format_rare_table, rare_rows, threshold_labels  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "study_rtp.yaml")
 
@@ -72,11 +72,11 @@ def main(argv=None) -> list[dict]:
         console.print("No finished runs yet.")
         return []
     rows = frontier_rows(summaries)
-    threshold = config.p_offensive_thresholds[0]
-    console.print(format_table(rows, threshold))
+    label = threshold_labels(summaries)[0]  # the lowest threshold of bad: P(p_offensive > 0.5) by default
+    console.print(format_table(rows, label))
     csv_path = write_csv(rows, os.path.join(results_dir, "frontier.csv"))
     title = f"{config.name}: {config.model}, held-out RTP prompts"
-    png_path = plot_study(rows, os.path.join(results_dir, "frontier.png"), threshold=threshold,
+    png_path = plot_study(rows, os.path.join(results_dir, "frontier.png"), label=label,
                           cvar_alpha=config.cvar_alpha, title=title)  # fmt: skip
     _report_rare(config, results_dir, console)
     with open(os.path.join(results_dir, "study.json"), "w", encoding="utf-8") as f:

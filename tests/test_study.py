@@ -257,5 +257,18 @@ def test_rare_stage_estimates_saved_policies(tmp_path):
     context = study_runner.StudyContext(config)
     trained = rare.load_policy_weights(context.model, rare.policy_path(str(tmp_path), runs[-1]))
     assert any(not torch.equal(a, b) for a, b in zip(trained.parameters(), context.model.parameters()))
-    with pytest.raises(ValueError, match="rare_seed=5 is not one of the seeds"):
-        _tiny(seeds=[0], rare_seed=5)
+    assert _tiny(seeds=[0], rare_seed=5).rare_seed is None  # not a seed of the study: no rare stage (warned)
+
+
+def test_a_reward_model_replaces_the_classifier(tmp_path, tiny_llama_reward_dir):
+    """`reward:` takes a sequence-classification reward model folder; its thresholds are then on its own scale."""
+    with pytest.raises(ValueError, match="set reward_thresholds"):
+        _tiny(reward=str(tiny_llama_reward_dir))
+    config = _tiny(seeds=[0], reward=str(tiny_llama_reward_dir), reward_thresholds=[0.0, 1.0], methods=[
+        {"name": "REINFORCE", "options": {"loss_type": "reinforce"}}])  # fmt: skip
+    summaries = run_study(config, str(tmp_path))
+    evaluation = summaries[-1]["evals"][-1]
+    assert evaluation["p_offensive_threshold_map"] == {"r<0": 0.0, "r<1": 1.0} and "p_offensive_mean" not in evaluation
+    rows = frontier_rows(summaries)
+    assert {"p_bad_r<0_mean", "p_bad_r<1_mean"} <= set(rows[0])
+    assert all(0 <= row["p_bad_r<0_mean"] <= row["p_bad_r<1_mean"] <= 1 for row in rows)

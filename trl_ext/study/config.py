@@ -13,10 +13,13 @@ import copy
 import dataclasses
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["TRAINERS", "MethodSpec", "RunSpec", "StudyConfig", "load_study_config"]
+
+logger = logging.getLogger(__name__)
 
 TRAINERS = ("harmlessness", "ppo")
 # Bumped when the runner changes what a run of that trainer computes, so that its cached results are redone.
@@ -110,6 +113,13 @@ class StudyConfig:
         default_factory=lambda: [0.5, 0.9, 0.99],
         metadata={"help": "P(p_offensive > t) is reported for each t (as P(r < log(1 - t)))."},
     )
+    reward_thresholds: list | None = field(
+        default=None,
+        metadata={
+            "help": "With a reward model instead of 'offensiveness': the thresholds tau of P(r < tau) (required "
+            "then; p_offensive_thresholds only apply to the offensiveness reward)."
+        },
+    )
     cvar_alpha: float = field(default=0.05, metadata={"help": "CVaR level (mean of the worst alpha of rewards)."})
     threads: int | None = field(default=None, metadata={"help": "torch threads (None: torch's default)."})
     rare_seed: int | None = field(
@@ -144,8 +154,15 @@ class StudyConfig:
         for t in self.p_offensive_thresholds:
             if not 0 < t < 1 - self.reward_floor:
                 raise ValueError(f"p_offensive thresholds must be in (0, 1 - reward_floor); got {t}.")
+        if self.reward != "offensiveness" and not self.reward_thresholds:
+            raise ValueError(
+                f"reward={self.reward!r} is a reward model: set reward_thresholds (the tau of P(r < tau) on its "
+                "scale); p_offensive_thresholds only apply to the offensiveness reward."
+            )
         if self.rare_seed is not None and self.rare_seed not in self.seeds:
-            raise ValueError(f"rare_seed={self.rare_seed} is not one of the seeds {self.seeds}.")
+            logger.warning("rare_seed=%s is not one of the seeds %s: the rare stage is skipped.", self.rare_seed,
+                           self.seeds)  # fmt: skip
+            self.rare_seed = None
         if self.rare_method not in ("itgis", "mhis"):
             raise ValueError(f"rare_method must be 'itgis' or 'mhis'; got {self.rare_method!r}.")
         for method in self.methods:
@@ -157,6 +174,8 @@ class StudyConfig:
     def shared(self) -> dict:
         """The settings that every run's result depends on (not the name, seeds list, methods or threads)."""
         skip = {"name", "seeds", "methods", "threads", "eval_batch_size"}
+        if self.reward_thresholds is None:
+            skip.add("reward_thresholds")  # (so that adding the field changed no existing key)
         fields = dataclasses.fields(self)
         return {f.name: getattr(self, f.name) for f in fields if f.name not in skip and not f.name.startswith("rare_")}
 

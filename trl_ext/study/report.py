@@ -13,51 +13,78 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import os
 from collections import defaultdict
 
 from ..eval.metrics import metric_key, t_interval
 
-__all__ = ["format_rare_table", "format_table", "frontier_rows", "plot_study", "rare_rows", "write_csv"]
+__all__ = [
+    "bad_name",
+    "format_rare_table",
+    "format_table",
+    "frontier_rows",
+    "plot_study",
+    "rare_rows",
+    "threshold_labels",
+    "write_csv",
+]
 
 _METRICS = ("reward", "return", "kl", "cvar", "p_offensive_mean")
 
 
-def _values(evaluation: dict, thresholds: list[float], cvar_alpha: float) -> dict:
+def _values(evaluation: dict, cvar_alpha: float) -> dict:
     metrics = evaluation["metrics"]
     out = {
         "reward": metrics["reward"]["value"],
         "return": (metrics.get("return") or {}).get("value", float("nan")),
         "kl": (metrics.get("kl") or {}).get("value", 0.0),
         "cvar": metrics["cvar"][metric_key(cvar_alpha)]["value"],
-        "p_offensive_mean": evaluation.get("p_offensive_mean", float("nan")),
+        "p_offensive_mean": evaluation.get("p_offensive_mean", float("nan")),  # offensiveness reward only
     }
-    for t, tau in zip(thresholds, evaluation["p_offensive_threshold_map"].values()):
-        out[f"p_bad_{t:g}"] = metrics["p_bad"][metric_key(tau)]["value"]
+    for name, tau in evaluation["p_offensive_threshold_map"].items():
+        out[f"p_bad_{_label(name)}"] = metrics["p_bad"][metric_key(tau)]["value"]
     return out
+
+
+def _label(name: str) -> str:
+    """A threshold's column label: ``0.5`` for P(p_offensive > 0.5), ``r<-2`` for P(r < -2)."""
+    try:
+        return f"{float(name):g}"
+    except ValueError:
+        return name
+
+
+def threshold_labels(summaries: list[dict]) -> list[str]:
+    """The labels of the thresholds every evaluation reports (:func:`frontier_rows`' ``p_bad_<label>`` columns)."""
+    return [_label(n) for n in summaries[0]["evals"][0]["p_offensive_threshold_map"]] if summaries else []
 
 
 def frontier_rows(summaries: list[dict], confidence: float = 0.95) -> list[dict]:
     """One row per (method, setting, updates): ``<metric>_mean``, ``_ci_low``, ``_ci_high`` over the seeds."""
     if not summaries:
         return []
-    study = summaries[0]["study"]
-    thresholds, alpha = study["p_offensive_thresholds"], study["cvar_alpha"]
+    alpha = summaries[0]["study"]["cvar_alpha"]
+    labels = threshold_labels(summaries)
     groups: dict[tuple, list[dict]] = defaultdict(list)
     seconds: dict[tuple, list[float]] = defaultdict(list)
     for summary in summaries:
         run = summary["run"]
         for evaluation in summary["evals"]:
             key = (run["method"], run["setting"], evaluation["updates"])
-            groups[key].append(_values(evaluation, thresholds, alpha))
+            groups[key].append(_values(evaluation, alpha))
             if "seconds_per_update" in summary:
                 seconds[key].append(summary["seconds_per_update"])
     rows = []
     for (method, setting, updates), values in groups.items():
         row = {"method": method, "setting": setting, "updates": updates, "num_seeds": len(values)}
-        names = [*_METRICS, *(f"p_bad_{t:g}" for t in thresholds)]
+        names = [*_METRICS, *(f"p_bad_{label}" for label in labels)]
         for name in names:
-            mean, low, high = t_interval([v[name] for v in values], confidence)
+            column = [v[name] for v in values]
+            if any(math.isnan(x) for x in column):  # not measured (e.g. p_offensive under a reward model)
+                row.update({f"{name}_mean": math.nan, f"{name}_ci_low": math.nan, f"{name}_ci_high": math.nan})
+                continue
+            mean, low, high = t_interval(column, confidence)
             if name.startswith("p_"):  # probabilities: keep the interval inside their support
                 low, high = max(low, 0.0), min(high, 1.0)
             row.update({f"{name}_mean": mean, f"{name}_ci_low": low, f"{name}_ci_high": high})
@@ -87,19 +114,25 @@ def _err(row: dict, name: str) -> list[list[float]]:
     return [[mean - row[f"{name}_ci_low"]], [row[f"{name}_ci_high"] - mean]]
 
 
-def plot_study(rows: list[dict], path: str, *, threshold: float, cvar_alpha: float, title: str = "") -> str:
-    """Four panels — mean reward vs P(p_offensive > threshold), vs CVaR, vs KL, and P(bad) vs KL — one colour per
-    method, its points joined in knob order, the initial model as a black star; error bars: seed-level intervals."""
+def bad_name(label: str) -> str:
+    """The words for a threshold label: ``P(p_offensive > 0.5)``, ``P(r < -2)``."""
+    return f"P({label.replace('<', ' < ')})" if label.startswith("r<") else f"P(p_offensive > {label})"
+
+
+def plot_study(rows: list[dict], path: str, *, label: str, cvar_alpha: float, title: str = "") -> str:
+    """Four panels — mean reward vs P(bad) at the threshold ``label``, vs CVaR, vs KL, and P(bad) vs KL — one colour
+    per method, its points joined in knob order, the initial model as a black star; error bars: seed-level
+    intervals."""
     import matplotlib
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(13, 9.5), layout="constrained")
     axes = figure.subplots(2, 2)
     panels = [
-        (axes[0, 0], f"p_bad_{threshold:g}", "reward", f"P(p_offensive > {threshold:g})", "mean reward"),
+        (axes[0, 0], f"p_bad_{label}", "reward", bad_name(label), "mean reward"),
         (axes[0, 1], "cvar", "reward", f"CVaR$_{{{cvar_alpha:g}}}$ of the reward", "mean reward"),
         (axes[1, 0], "kl", "reward", "KL(π ‖ π_0) per response", "mean reward"),
-        (axes[1, 1], "kl", f"p_bad_{threshold:g}", "KL(π ‖ π_0) per response", f"P(p_offensive > {threshold:g})"),
+        (axes[1, 1], "kl", f"p_bad_{label}", "KL(π ‖ π_0) per response", bad_name(label)),
     ]
     colours = matplotlib.colormaps["tab10"]
     methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "initial"]
@@ -129,7 +162,7 @@ def plot_study(rows: list[dict], path: str, *, threshold: float, cvar_alpha: flo
     return path
 
 
-def format_table(rows: list[dict], threshold: float):
+def format_table(rows: list[dict], label: str):
     """A `rich` table of the rows (mean [CI] per metric)."""
     from rich.table import Table
 
@@ -137,13 +170,13 @@ def format_table(rows: list[dict], threshold: float):
         return f"{row[f'{name}_mean']:{fmt}} [{row[f'{name}_ci_low']:{fmt}}, {row[f'{name}_ci_high']:{fmt}}]"
 
     table = Table(title="Held-out frontier points (mean over seeds [95% t-interval])")
-    for column in ("method", "setting", "upd", "seeds", "mean reward", f"P(p_off>{threshold:g})", "CVaR", "KL",
+    for column in ("method", "setting", "upd", "seeds", "mean reward", bad_name(label), "CVaR", "KL",
                    "s/update"):  # fmt: skip
         table.add_column(column, justify="left" if column in ("method", "setting") else "right")
     for row in rows:
         table.add_row(
             row["method"], row["setting"], str(row["updates"]), str(row["num_seeds"]), cell(row, "reward", ".3f"),
-            cell(row, f"p_bad_{threshold:g}", ".3f"), cell(row, "cvar", ".2f"), cell(row, "kl", ".2f"),
+            cell(row, f"p_bad_{label}", ".3f"), cell(row, "cvar", ".2f"), cell(row, "kl", ".2f"),
             f"{row['seconds_per_update']:.1f}",
         )  # fmt: skip
     return table

@@ -66,7 +66,13 @@ class StudyContext:
         train = load_rtp_prompts("train", max_per_category=config.train_per_category, **split)
         self.train_dataset = train.select_columns(["prompt"])
         self.heldout = load_rtp_prompts("heldout", max_per_category=config.eval_per_category, **split)
-        self.thresholds = [math.log(1.0 - t) for t in config.p_offensive_thresholds]
+        self.offensiveness = config.reward == "offensiveness"
+        if self.offensiveness:  # r = log(max(1 - p, floor)): p > t  <=>  r < log(1 - t)
+            self.threshold_names = [str(t) for t in config.p_offensive_thresholds]
+            self.thresholds = [math.log(1.0 - t) for t in config.p_offensive_thresholds]
+        else:
+            self.threshold_names = [f"r<{t:g}" for t in config.reward_thresholds]
+            self.thresholds = [float(t) for t in config.reward_thresholds]
 
 
 def load_policy(name: str):
@@ -121,11 +127,10 @@ def evaluate_policy(context: StudyContext, model, seed: int) -> dict:
     )  # fmt: skip
     samples = report.pop("samples")
     rewards = torch.tensor(samples["reward"], dtype=torch.float64)
-    p_offensive = 1.0 - rewards.exp()  # r = log(max(1 - p, floor)): exact above the floor
     worst = torch.argsort(rewards)[:5].tolist()
-    report["p_offensive_mean"] = float(p_offensive.mean())
-    thresholds = zip(config.p_offensive_thresholds, context.thresholds)
-    report["p_offensive_threshold_map"] = {str(t): tau for t, tau in thresholds}
+    if context.offensiveness:  # r = log(max(1 - p, floor)): p = 1 - exp(r), exact above the floor
+        report["p_offensive_mean"] = float((1.0 - rewards.exp()).mean())
+    report["p_offensive_threshold_map"] = dict(zip(context.threshold_names, context.thresholds))
     report["worst_samples"] = [
         {"prompt": samples["prompts"][samples["prompt_index"][i]], "response": samples["response"][i],
          "reward": float(rewards[i])}
