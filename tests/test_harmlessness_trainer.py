@@ -485,3 +485,21 @@ def test_bad_inputs_fail_clearly(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         trainer = toy_trainer(toy_args(tmp_path, loss_type="reinforce"), proposal_model=toy_model(1))
     assert trainer.proposal is None and "ignored" in caplog.text
+
+
+def test_a_fully_frozen_policy_fails_clearly(tmp_path, tiny_tokenizer_pad_eos):
+    """Every weight frozen: a clear error before training, not torch's 'optimizer got an empty parameter list'."""
+    from trl_ext import testing as kit
+    from trl_ext.rewards import LexicalReward
+    from trl_ext.trainers import HarmlessnessConfig, HarmlessnessTrainer
+
+    tokenizer = tiny_tokenizer_pad_eos
+    model = kit.build_causal_lm("llama", tokenizer=tokenizer).requires_grad_(False)
+    args = HarmlessnessConfig(output_dir=str(tmp_path), loss_type="reinforce", max_steps=1, num_samples_per_prompt=2,
+                              per_device_train_batch_size=1, response_length=2, report_to="none", bf16=False,
+                              use_cpu=True, activation_checkpointing=False)  # fmt: skip
+    trainer = HarmlessnessTrainer(args=args, processing_class=tokenizer, model=model,
+                                  reward_model=LexicalReward(["x"], tokenizer=tokenizer),
+                                  train_dataset=Dataset.from_dict({"prompt": ["hello"] * 2}))  # fmt: skip
+    with pytest.raises(ValueError, match="No trainable parameter.*requires_grad_\\(True\\)"):
+        trainer.train()

@@ -256,6 +256,12 @@ class OnlineTrainerMixin(abc.ABC):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """`Trainer.train`; ``resume_from_checkpoint=True`` picks the newest *complete* checkpoint."""
+        if not any(p.requires_grad for p in self.model.parameters()):
+            raise ValueError(
+                "No trainable parameter: every weight of the trained model(s) has requires_grad=False (frozen before "
+                "it was passed in, e.g. by `model.requires_grad_(False)` or a loaded eval copy). Unfreeze what should "
+                "train (`model.requires_grad_(True)`, or the top blocks only), or pass peft_config to train adapters."
+            )
         resume_from_checkpoint = ckpt.resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
         if resume_from_checkpoint is None:
             # Each process samples with its own seed (the same seed would draw the same random numbers everywhere).
