@@ -50,8 +50,8 @@ panel shows REINFORCE's extra updates and both methods' points at the matched KL
 
 from __future__ import annotations
 
-import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 for _name, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
     os.environ.setdefault(_name, _value)
 
+import trl_ext  # noqa: E402, F401, I001 -- before transformers: it quiets bitsandbytes' import-time CPU notice
 import datasets  # noqa: E402
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
@@ -114,37 +115,52 @@ def methods(args) -> list[Method]:
     return [Method("REINFORCE", {"loss_type": "reinforce"}), Method("RePULSe", repulse)]
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=int, default=12, help="policy updates per method (default 12)")
-    p.add_argument("--num-samples", type=int, default=32, help="responses per step from p (and as many from q)")
-    p.add_argument("--eval-every", type=int, default=4, help="evaluate P(bad) every k steps (default 4)")
-    p.add_argument(
-        "--max-extra-steps", type=int, default=None,
-        help="most updates REINFORCE may add to reach RePULSe's KL (default 3 × --steps)",
-    )  # fmt: skip
-    p.add_argument("--output-dir", default="outputs/demo_repulse", help="where results.json and the PNG go")
-    p.add_argument("--seed", type=int, default=0, help="seed of both runs (default 0)")
-    p.add_argument("--tiny", action="store_true", help="a tiny random model from trl_ext.testing (seconds)")
-    p.add_argument(
-        "--cache-dir", default=None, help="parent folder of the converted SmolLM2 (default ~/.cache/trl_ext)"
+@dataclass
+class DemoArguments:
+    """The demo's options (``--name value`` or ``--name-with-dashes value``; ``--config file.yaml`` too)."""
+
+    steps: int = field(default=12, metadata={"help": "Policy updates per method."})
+    num_samples: int = field(default=32, metadata={"help": "Responses per step from p (and as many from q)."})
+    eval_every: int = field(default=4, metadata={"help": "Evaluate P(bad) every k steps."})
+    max_extra_steps: int | None = field(
+        default=None, metadata={"help": "Most updates REINFORCE may add to reach RePULSe's KL (default 3 × steps)."}
     )
-    p.add_argument("--lr", type=float, default=None, help="policy learning rate (default 1e-4; tiny: 3e-3)")
-    p.add_argument("--proposal-lr", type=float, default=None, help="proposal learning rate (default 1e-4; tiny 3e-3)")
-    p.add_argument("--q-steps", type=int, default=2, help="proposal updates per policy update (default 2)")
-    p.add_argument("--alpha", type=float, default=1.0, help="RePULSe alpha, 'expectation' convention (default 1)")
-    p.add_argument(
-        "--target", choices=("indicator", "exp"), default="indicator",
-        help="proposal target: 'indicator' σ ∝ p·1[bad] (default) or 'exp' σ ∝ p·exp(β·r) with --beta",
-    )  # fmt: skip
-    p.add_argument("--beta", type=float, default=-10.0, help="β < 0 of --target exp (default -10)")
-    p.add_argument("--kl-coef", type=float, default=0.0, help="KL-to-p_0 coefficient of both methods (default 0)")
-    p.add_argument("--trainable-layers", type=int, default=None, help="top blocks trained (default 4; 0/tiny: all)")
-    p.add_argument("--prune-below", type=float, default=None, help="P(bad) pruning (default 1e-4; tiny: exact)")
-    p.add_argument("--pbad-samples", type=int, default=256, help="pruned prefixes drawn for the P(bad) estimate")
-    p.add_argument("--kl-samples", type=int, default=256, help="responses drawn for KL(y) (default 256)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    args = p.parse_args(argv)
+    output_dir: str = field(default="outputs/demo_repulse", metadata={"help": "Where results.json and the PNG go."})
+    seed: int = field(default=0, metadata={"help": "Seed of both runs."})
+    tiny: bool = field(default=False, metadata={"help": "A tiny random model from trl_ext.testing (seconds)."})
+    cache_dir: str | None = field(
+        default=None, metadata={"help": "Parent folder of the converted SmolLM2 (default ~/.cache/trl_ext)."}
+    )
+    lr: float | None = field(default=None, metadata={"help": "Policy learning rate (default 1e-4; tiny: 3e-3)."})
+    proposal_lr: float | None = field(
+        default=None, metadata={"help": "Proposal learning rate (default 1e-4; tiny: 3e-3)."}
+    )
+    q_steps: int = field(default=2, metadata={"help": "Proposal updates per policy update."})
+    alpha: float = field(default=1.0, metadata={"help": "RePULSe alpha, 'expectation' convention."})
+    target: str = field(
+        default="indicator",
+        metadata={
+            "help": "Proposal target: 'indicator' σ ∝ p·1[bad] or 'exp' σ ∝ p·exp(β·r) with --beta.",
+            "choices": ["indicator", "exp"],
+        },
+    )
+    beta: float = field(default=-10.0, metadata={"help": "β < 0 of --target exp."})
+    kl_coef: float = field(default=0.0, metadata={"help": "KL-to-p_0 coefficient of both methods."})
+    trainable_layers: int | None = field(
+        default=None, metadata={"help": "Top blocks trained (default 4; 0 or tiny: all)."}
+    )
+    prune_below: float | None = field(default=None, metadata={"help": "P(bad) pruning (default 1e-4; tiny: exact)."})
+    pbad_samples: int = field(default=256, metadata={"help": "Pruned prefixes drawn for the P(bad) estimate."})
+    kl_samples: int = field(default=256, metadata={"help": "Responses drawn for KL(y)."})
+    threads: int | None = field(default=None, metadata={"help": "torch threads (default: all cores)."})
+
+
+def parse_args(argv=None) -> DemoArguments:
+    """The options, on the recipes' parser (TrlParser with config files; dashed and underscored names both work)."""
+    from trl_ext import cli
+
+    p = cli.make_parser((DemoArguments,), __doc__.split("\n\n")[0])
+    (args,) = p.parse_args_and_config(argv)
     if args.steps < 1 or args.num_samples < 2 or args.eval_every < 1 or args.q_steps < 1:
         p.error("--steps, --eval-every and --q-steps must be >= 1 and --num-samples >= 2 (RLOO needs 2 samples).")
     if args.pbad_samples < 2 or args.kl_samples < 2:
@@ -540,7 +556,7 @@ def main(argv=None) -> dict:
             "words": list(OFFENSIVE_WORDS),
             "bad_token_ids": reward.bad_token_ids,
             "bad_tokens": bad_words,
-            "args": vars(args),
+            "args": dataclasses.asdict(args),
         },  # fmt: skip
         "initial": initial,
         "results": results,
