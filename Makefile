@@ -60,9 +60,10 @@ demo: setup
 	$(PY) recipes/demo_repulse.py $(DEMO_ARGS)
 
 # The study (issue 16): RePULSe vs REINFORCE vs PPO vs p-as-proposal on RealToxicityPrompts, results under results/.
-# STUDY_PROFILE=quick: <= 10 min on 2 cores; empty: the full study (examples/study_rtp.yaml). Resumes when rerun.
+# STUDY_PROFILE=quick: <= 10 min on 2 cores; empty: the full study (examples/study_rtp.yaml). Resumes when rerun, and
+# git-commits each run's summary as it finishes (STUDY_ARGS= to leave committing to you).
 STUDY_PROFILE ?=
-STUDY_ARGS ?=
+STUDY_ARGS ?= --commit-results
 study: setup
 	$(PIP) install -q $(CONSTRAINTS) --no-deps $(DEMO_PKGS)
 	$(PY) recipes/study.py $(if $(STUDY_PROFILE),--profile $(STUDY_PROFILE)) $(STUDY_ARGS)
