@@ -45,7 +45,7 @@ def ppo_args(tmp_path, **kwargs) -> PPOConfig:
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=1,
         num_ppo_epochs=1, num_mini_batches=1, total_episodes=8, response_length=5, stop_token="eos",
         learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no", num_sample_generations=0,
-        activation_checkpointing=False, seed=0,
+        activation_checkpointing=False, seed=0, step_unit="optimizer_step",  # steps here are optimizer steps
     )  # fmt: skip
     return PPOConfig(**{**defaults, **kwargs})
 
@@ -162,6 +162,24 @@ def test_metrics_have_trl_names_and_kl_is_zero_before_the_first_update(
     assert first["objective/rlhf_reward"] == pytest.approx(first["objective/scores"])
     assert first["val/ratio"] == pytest.approx(1.0, abs=1e-6) and first["policy/approxkl_avg"] < 1e-10
     assert logged(trainer, "episode") == [4, 8] and first["lr"] == first["learning_rate"]
+
+
+def test_trl_112_step_cadence_by_default(tmp_path, tiny_gpt_neox_dir, tiny_reward_dir, tiny_prompt_dataset):
+    """step_unit="update" (the default): TRL 1.12's cadence. 4 updates of 2 optimizer steps with save_steps=2 and
+    logging_steps=1: one log row per update, checkpoints after updates 2 and 4 (numbered by optimizer steps), and
+    max_steps counts updates."""
+    args = ppo_args(tmp_path, step_unit="update", num_ppo_epochs=2, total_episodes=16, save_strategy="steps",
+                    save_steps=2)  # fmt: skip
+    trainer = make_trainer(args, tiny_gpt_neox_dir, tiny_reward_dir, tiny_prompt_dataset)
+    trainer.train()
+    assert trainer.state.global_step == 8  # optimizer steps (Trainer's own count)
+    assert logged(trainer, "episode") == [4, 8, 12, 16]  # one row per update
+    checkpoints = {name for name in os.listdir(args.output_dir) if name.startswith("checkpoint-")}
+    assert checkpoints == {"checkpoint-4", "checkpoint-8"}  # after updates 2 and 4, between rollouts
+    by_steps = ppo_args(tmp_path / "m", step_unit="update", num_ppo_epochs=2, max_steps=3)
+    assert by_steps.total_updates == 6 and by_steps.num_total_batches == 3
+    with pytest.raises(ValueError, match="step_unit"):
+        ppo_args(tmp_path / "x", step_unit="rollouts")
 
 
 def test_max_steps_counts_optimizer_steps(tmp_path, tiny_gpt_neox_dir, tiny_reward_dir, tiny_prompt_dataset):

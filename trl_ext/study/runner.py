@@ -193,7 +193,7 @@ def _train(context: StudyContext, run: RunSpec, results_dir: str | None = None) 
         options = {**common, "per_device_train_batch_size": responses, "num_ppo_epochs": 2, "num_mini_batches": 1}
         options.update(run.options)
         steps_per_update = options["num_ppo_epochs"] * options["num_mini_batches"]
-        args = PPOConfig(**options, max_steps=updates * steps_per_update)
+        args = PPOConfig(**options, max_steps=updates, step_unit="update")  # max_steps counts PPO updates
         value_model = _value_model(context.model, config.trainable_layers)
         callback = _EvalAt(context, run, steps_per_update)
         trainer = PPOTrainer(

@@ -110,6 +110,10 @@ class PPOConfig(OnlineConfig):
             Order the rows of each minibatch by length before cutting it into micro-batches, so that each
             micro-batch carries less padding. The minibatch, its loss and its gradient are unchanged (up to
             floating-point summation order); only which rows share a micro-batch changes.
+        step_unit (`str`, *optional*, defaults to `"update"`):
+            trl_ext addition. What `logging_steps`, `save_steps`, `eval_steps` and `max_steps` count: `"update"` (a
+            rollout and all its optimizer steps, TRL 1.12's cadence: one log row per update) or `"optimizer_step"`.
+            `global_step` and checkpoint numbers count optimizer steps either way.
         total_episodes (`int`, *optional*):
             Total number of episodes (sampled responses); default `num_train_epochs × len(train_dataset) ×
             num_samples_per_prompt`.
@@ -256,6 +260,16 @@ class PPOConfig(OnlineConfig):
             "per micro-batch; the minibatch gradient is unchanged)."
         },
     )
+    step_unit: str = field(
+        default="update",
+        metadata={
+            "help": "What `logging_steps`, `save_steps`, `eval_steps` and `max_steps` count: 'update' (a rollout and "
+            "all its optimizer steps; one log row per update, as TRL 1.12's PPOTrainer) or 'optimizer_step' "
+            "(trl_ext 0.1; checkpoints may then fall inside a rollout, which is saved with them). Trainer's "
+            "`global_step` and checkpoint numbers count optimizer steps either way.",
+            "choices": ["update", "optimizer_step"],
+        },
+    )
     total_episodes: int | None = field(
         default=None,
         metadata={
@@ -348,6 +362,7 @@ class PPOConfig(OnlineConfig):
         fail = self._fail
         self._check_choice("kl_estimator", KL_ESTIMATORS)
         self._check_choice("score_position", ("last_token", "after_last_token"))
+        self._check_choice("step_unit", ("update", "optimizer_step"))
         if self.top_k is not None and self.top_k < 0:
             fail(f"top_k={self.top_k}: set top_k >= 0 (None or 0: off).")
         if not 0.0 < self.top_p <= 1.0:
@@ -453,12 +468,19 @@ class PPOConfig(OnlineConfig):
         if self.total_episodes is None and dataset_length is not None:
             self.total_episodes = int(self.num_train_epochs * dataset_length * self.num_samples_per_prompt)
         if self.max_steps > 0:
-            self.num_total_batches = math.ceil(self.max_steps / self.updates_per_rollout)
+            self.num_total_batches = math.ceil(self.total_updates / self.updates_per_rollout)
         elif self.total_episodes is not None:
             self.num_total_batches = math.ceil(self.total_episodes / self.batch_size)
 
     @property
     def total_updates(self) -> int:
-        """Optimizer steps of the run: ``max_steps`` when set (then ``total_episodes`` is not used), else
-        ``num_total_batches × updates_per_rollout``."""
-        return self.max_steps if self.max_steps > 0 else self.num_total_batches * self.updates_per_rollout
+        """Optimizer steps of the run: ``max_steps`` when set (then ``total_episodes`` is not used; counted in updates
+        with ``step_unit="update"``), else ``num_total_batches × updates_per_rollout``."""
+        if self.max_steps > 0:
+            return self.max_steps * (self.updates_per_rollout if self.step_unit == "update" else 1)
+        return self.num_total_batches * self.updates_per_rollout
+
+    @property
+    def optimizer_steps_per_unit(self) -> int:
+        """Optimizer steps in one unit of `logging_steps` / `save_steps` / `eval_steps` (see `step_unit`)."""
+        return self.updates_per_rollout if self.step_unit == "update" else 1
