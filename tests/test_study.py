@@ -272,3 +272,26 @@ def test_a_reward_model_replaces_the_classifier(tmp_path, tiny_llama_reward_dir)
     rows = frontier_rows(summaries)
     assert {"p_bad_r<0_mean", "p_bad_r<1_mean"} <= set(rows[0])
     assert all(0 <= row["p_bad_r<0_mean"] <= row["p_bad_r<1_mean"] <= 1 for row in rows)
+
+
+def test_commit_results_commits_only_the_run_file(tmp_path):
+    """--commit-results: each summary is committed alone, staged work elsewhere stays staged; outside a repository
+    nothing is committed and nothing fails."""
+    import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True, text=True).stdout
+
+    study_runner._commit_file(str(tmp_path / "outside.json"), "x")  # not a repository: a warning, no error
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    (tmp_path / "other.txt").write_text("staged")
+    git("add", "other.txt")
+    (tmp_path / "runs").mkdir()
+    run_file = tmp_path / "runs" / "a.json"
+    run_file.write_text("{}")
+    study_runner._commit_file(str(run_file), "study: a")
+    assert git("log", "--format=%s").strip() == "study: a"
+    assert git("show", "--name-only", "--format=").split() == ["runs/a.json"]
+    assert "A  other.txt" in git("status", "--short")  # still staged, not committed

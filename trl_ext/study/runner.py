@@ -277,17 +277,19 @@ def _git_commit() -> str | None:
 
 
 def _commit_file(path: str, message: str) -> None:
-    """``git commit`` only ``path`` (other staged work is left alone); a busy index is retried, then skipped."""
+    """``git commit`` only ``path`` (other staged work is left alone), in the repository that holds it; a busy index
+    is retried, then skipped with a warning. Outside a git work tree nothing is committed (a warning says so)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    check = ["git", "-C", folder, "rev-parse", "--is-inside-work-tree"]
+    inside = subprocess.run(check, capture_output=True, text=True)
+    if inside.returncode != 0 or inside.stdout.strip() != "true":
+        logger.warning("Not committing %s: it is not inside a git work tree.", path)
+        return
+    name = os.path.basename(path)
     for attempt in range(5):
-        add = subprocess.run(["git", "add", "--", path], capture_output=True, text=True)
-        done = (
-            add.returncode == 0
-            and (
-                subprocess.run(["git", "commit", "-q", "-m", message, "--", path], capture_output=True, text=True)
-            ).returncode
-            == 0
-        )
-        if done:
+        add = subprocess.run(["git", "-C", folder, "add", "--", name], capture_output=True, text=True)
+        commit = ["git", "-C", folder, "commit", "-q", "-m", message, "--", name]
+        if add.returncode == 0 and subprocess.run(commit, capture_output=True, text=True).returncode == 0:
             return
         time.sleep(2 + 3 * attempt)
     logger.warning("Could not commit %s (the git index stayed busy); commit it by hand.", path)
