@@ -462,6 +462,33 @@ def test_metrics_of_a_step(tmp_path):
     assert 0.0 <= metrics["eval_p_bad"] <= 1.0 and -1.0 <= metrics["eval_reward"] <= BONUS
 
 
+def test_adaptive_kl_coefficient_follows_the_controller_and_is_restored_on_resume(tmp_path):
+    """kl_target set: the first update's KL is 0 (policy == p_0), so error = -0.2 and kl_coef = 0.1 · (1 - 0.2 · 8
+    samples / kl_horizon 8) = 0.08 for the second update; without kl_target it stays 0.1. Saved in checkpoints."""
+    fixed = toy_trainer(toy_args(tmp_path / "fixed", kl_coef=0.1, max_steps=3))
+    fixed.train()
+    assert logged(fixed, "base/kl_coef") == [0.1, 0.1, 0.1]
+    kwargs = dict(kl_coef=0.1, kl_target=0.5, kl_horizon=8, max_steps=3, save_strategy="steps", save_steps=1)
+    args = toy_args(tmp_path / "adaptive", **kwargs)
+    adaptive = toy_trainer(args)
+    adaptive.train()
+    coefs = logged(adaptive, "base/kl_coef")
+    assert coefs[0] == 0.1 and coefs[1] == pytest.approx(0.08, rel=1e-12) and coefs[2] != coefs[1]
+    kl = logged(adaptive, "base/kl")
+    error = min(max(kl[1] / 0.5 - 1, -0.2), 0.2)
+    assert coefs[2] == pytest.approx(0.08 * (1 + error * 8 / 8), rel=1e-6)
+    checkpoint = os.path.join(args.output_dir, "checkpoint-2")
+    with open(os.path.join(checkpoint, "kl_controller.json")) as f:
+        assert json.load(f)["value"] == pytest.approx(coefs[2], rel=1e-12)
+    resumed = toy_trainer(toy_args(tmp_path / "adaptive", **kwargs))
+    resumed.train(resume_from_checkpoint=checkpoint)
+    assert logged(resumed, "base/kl_coef")[-1] == pytest.approx(coefs[2], rel=1e-12)
+    with pytest.raises(ValueError, match="kl_target"):
+        toy_args(tmp_path, kl_target=-1.0)
+    with pytest.raises(ValueError, match="kl_horizon"):
+        toy_args(tmp_path, kl_horizon=0)
+
+
 # --------------------------------------------------------------------------------------------------- bad input
 def test_bad_inputs_fail_clearly(tmp_path, caplog):
     args = toy_args(tmp_path)

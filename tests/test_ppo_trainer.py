@@ -6,6 +6,7 @@ helpers below). Everything runs on the offline tiny kit (~130k-parameter models)
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -20,6 +21,7 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
     DataCollatorWithPadding,
+    TrainerCallback,
 )
 
 from trl_ext import PPOConfig, PPOTrainer, register_loss
@@ -283,6 +285,69 @@ def test_sample_tables_and_evaluate(tmp_path, tiny_gpt_neox_dir, tiny_reward_dir
 
 
 # ------------------------------------------------------------------------------------------------ bad inputs
+# ------------------------------------------------------------------------------- adaptive KL and critic warm-up
+def test_adaptive_kl_coefficient_is_logged_saved_and_restored(
+    tmp_path, tiny_gpt_neox_dir, tiny_reward_dir, tiny_prompt_dataset
+):
+    """kl_target set: the first rollout's KL is 0 (policy == reference), so error = clip(0 / target - 1) = -0.2 and
+    kl_coef = 0.05 · (1 - 0.2 · 4 responses / kl_horizon 8) = 0.045 for the second rollout. Without kl_target the
+    coefficient stays 0.05. The value is saved in checkpoints and a resumed run continues from it."""
+    fixed = make_trainer(ppo_args(tmp_path / "fixed"), tiny_gpt_neox_dir, tiny_reward_dir, tiny_prompt_dataset)
+    fixed.train()
+    assert logged(fixed, "objective/kl_coef") == [0.05, 0.05]
+    kwargs = dict(kl_target=0.01, kl_horizon=8, save_strategy="steps", save_steps=1)
+    args = ppo_args(tmp_path / "adaptive", **kwargs)
+    adaptive = make_trainer(args, tiny_gpt_neox_dir, tiny_reward_dir, tiny_prompt_dataset)
+    adaptive.train()
+    coefs = logged(adaptive, "objective/kl_coef")
+    assert coefs[0] == 0.05 and coefs[1] == pytest.approx(0.045, rel=1e-12)
+    checkpoint = os.path.join(args.output_dir, "checkpoint-1")
+    with open(os.path.join(checkpoint, "kl_controller.json")) as f:
+        assert json.load(f)["value"] == pytest.approx(0.045, rel=1e-12)
+    resumed = make_trainer(ppo_args(tmp_path / "adaptive", **kwargs), tiny_gpt_neox_dir, tiny_reward_dir,
+                           tiny_prompt_dataset)  # fmt: skip
+    resumed.train(resume_from_checkpoint=checkpoint)
+    # log_history comes back from the checkpoint: step 1's row, then the resumed rollout's (0.05 if not restored)
+    assert logged(resumed, "objective/kl_coef") == [0.05, pytest.approx(0.045, rel=1e-12)]
+    with pytest.raises(ValueError, match="kl_target"):
+        ppo_args(tmp_path, kl_target=0.0)
+    with pytest.raises(ValueError, match="kl_horizon"):
+        ppo_args(tmp_path, kl_target=1.0, kl_horizon=0)
+
+
+def test_critic_warm_up_freezes_the_policy_for_the_first_updates(
+    tmp_path, tiny_gpt_neox_dir, tiny_reward_dir, tiny_prompt_dataset
+):
+    """freezing_actor_steps=2, 3 rollouts of one optimizer step each: after updates 1 and 2 the policy is
+    bit-identical to the initial one and has no optimizer state, the critic has changed; after update 3 the policy
+    has changed too."""
+    args = ppo_args(tmp_path, freezing_actor_steps=2, total_episodes=12)
+    trainer = make_trainer(args, tiny_gpt_neox_dir, tiny_reward_dir, tiny_prompt_dataset)
+    policy, value_model = trainer.model.policy, trainer.model.value_model
+    initial_policy, initial_value = snapshot(policy), snapshot(value_model)
+    seen = {}
+
+    class Watch(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            has_state = any(trainer.optimizer.state.get(p) for p in policy.parameters())
+            seen[state.global_step] = (snapshot(policy), snapshot(value_model), has_state)
+
+    trainer.add_callback(Watch())
+    trainer.train()
+    assert sorted(seen) == [1, 2, 3]
+    for step in (1, 2):
+        policy_now, value_now, has_state = seen[step]
+        assert all(torch.equal(policy_now[n], initial_policy[n]) for n in initial_policy), step
+        assert any(not torch.equal(value_now[n], initial_value[n]) for n in initial_value), step
+        assert not has_state, step
+    policy_now, _, has_state = seen[3]
+    assert any(not torch.equal(policy_now[n], initial_policy[n]) for n in initial_policy) and has_state
+    with pytest.raises(ValueError, match="shared_actor_critic"):
+        ppo_args(tmp_path, freezing_actor_steps=1, shared_actor_critic=True)
+    with pytest.raises(ValueError, match="no critic"):
+        ppo_args(tmp_path, freezing_actor_steps=1, actor_loss_type="reinforce", reinforce_baseline="none")
+
+
 def test_bad_inputs_fail_with_clear_errors(tmp_path, tiny_gpt_neox_dir, tiny_reward_dir, tiny_prompt_dataset):
     args = ppo_args(tmp_path)
     with pytest.raises(ValueError, match=r"columns \['text'\].*'prompt' column"):

@@ -7,7 +7,8 @@ Layout of a saved folder (the final `save_model` output and every `checkpoint-N`
   adapter under PEFT — plus the tokenizer;
 - ``value_model/`` holds the separate critic, when there is one (``save_pretrained`` of the value model);
 - in checkpoints, `transformers.Trainer` adds the optimizer, scheduler, RNG states and ``trainer_state.json``, and
-  PPO adds ``ppo_rollout_state-rank<i>.pt`` when the checkpoint falls in the middle of a rollout.
+  PPO adds ``ppo_rollout_state-rank<i>.pt`` when the checkpoint falls in the middle of a rollout, and the online
+  trainers add ``kl_controller.json`` (the current KL coefficient, :func:`save_kl_controller`).
 
 Writes are staged: everything is written to a hidden temporary folder next to the target, then moved into place
 entry by entry with atomic renames. `transformers.Trainer` (5.23) writes ``checkpoint-N`` in place, not through a
@@ -17,6 +18,7 @@ temporary folder, so an interrupted save leaves a partial ``checkpoint-N``; `Tra
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -29,14 +31,17 @@ from torch import nn
 from ...models.lora import is_peft_model
 
 __all__ = [
+    "KL_CONTROLLER_NAME",
     "PROPOSAL_DIR",
     "ROLLOUT_STATE_PATTERN",
     "VALUE_MODEL_DIR",
     "is_complete_checkpoint",
     "last_complete_checkpoint",
+    "load_kl_controller",
     "load_policy_and_proposal",
     "load_policy_and_value",
     "resolve_resume_checkpoint",
+    "save_kl_controller",
     "save_policy_and_proposal",
     "save_policy_and_value",
 ]
@@ -47,6 +52,7 @@ VALUE_MODEL_DIR = "value_model"
 PROPOSAL_DIR = "proposal"
 TRAINER_STATE_NAME = "trainer_state.json"
 ROLLOUT_STATE_PATTERN = "ppo_rollout_state-rank{rank}.pt"
+KL_CONTROLLER_NAME = "kl_controller.json"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -266,3 +272,28 @@ def load_policy_and_proposal(policy: nn.Module, proposal: nn.Module | None, chec
         )
     load_policy_and_value(proposal, None, path)
     logger.info("Restored the proposal from %s.", path)
+
+
+def save_kl_controller(controller, checkpoint_dir: str) -> None:
+    """Write the KL controller's state (its current coefficient) to ``checkpoint_dir/kl_controller.json``."""
+    os.makedirs(checkpoint_dir, exist_ok=True)
+    path = os.path.join(checkpoint_dir, KL_CONTROLLER_NAME)
+    tmp = f"{path}.tmp-{os.getpid()}"  # atomic: a kill mid-write never leaves half a file
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(controller.state_dict(), f)
+    os.replace(tmp, path)
+
+
+def load_kl_controller(controller, checkpoint_dir: str) -> None:
+    """Restore the KL controller's coefficient from ``checkpoint_dir/kl_controller.json``. A checkpoint without
+    the file (written before the adaptive controller existed) keeps the controller's start value (``kl_coef``),
+    with a warning when the controller is adaptive."""
+    path = os.path.join(checkpoint_dir, KL_CONTROLLER_NAME)
+    if not os.path.isfile(path):
+        if hasattr(controller, "target"):
+            logger.warning("%s has no %s: the adaptive KL coefficient restarts from kl_coef.", checkpoint_dir,
+                           KL_CONTROLLER_NAME)  # fmt: skip
+        return
+    with open(path, encoding="utf-8") as f:
+        controller.load_state_dict(json.load(f))
+    logger.info("Restored the KL coefficient %.6g from %s.", controller.value, path)

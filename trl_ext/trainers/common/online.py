@@ -37,6 +37,7 @@ from ...rollout.vision import (
     vision_setup,
 )
 from . import checkpoint as ckpt
+from .kl_control import build_kl_controller
 from .metrics import log_completions_table, print_completions_table
 from .model_card import base_model_of, complete_card_text, write_text_atomically
 
@@ -113,6 +114,8 @@ class OnlineTrainerMixin(abc.ABC):
         self._processing_class = processing_class  # a processor, for vision-language policies
         self.reward_model = reward_model  # a trainer may replace it with a prepared one; _prepare_datasets reads it
         self.vision_spec = None  # set by _prepare_datasets
+        # The KL coefficient of configs with `kl_target` (fixed or adaptive, `kl_control.py`); None for the others.
+        self.kl_controller = build_kl_controller(args) if hasattr(args, "kl_target") else None
         check_pad_token(self.tokenizer)
         self.stop_token_id = self.tokenizer.eos_token_id if args.stop_token == "eos" else args.stop_token_id
         enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
@@ -266,6 +269,10 @@ class OnlineTrainerMixin(abc.ABC):
         if resume_from_checkpoint is None:
             # Each process samples with its own seed (the same seed would draw the same random numbers everywhere).
             torch.manual_seed(self.args.seed + 100003 * self.accelerator.process_index)
+        if self.kl_controller is not None:  # a fresh run starts from kl_coef; a resumed one from the checkpoint's
+            self.kl_controller = build_kl_controller(self.args)
+            if resume_from_checkpoint is not None:
+                ckpt.load_kl_controller(self.kl_controller, resume_from_checkpoint)
         self._start_training(resume_from_checkpoint)
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
 
@@ -284,6 +291,8 @@ class OnlineTrainerMixin(abc.ABC):
         if self.args.should_save and gathered:
             self._write_models(output_dir, state_dict)
         if _internal_call and output_dir != os.path.normpath(self.args.output_dir):
+            if self.args.should_save and self.kl_controller is not None:  # read back by `train(resume_from_...)`
+                ckpt.save_kl_controller(self.kl_controller, output_dir)
             self._write_checkpoint_card(output_dir)  # a checkpoint: before `Trainer` writes trainer_state.json
         if not _internal_call:
             self.create_model_card(model_name=self._card_model_name())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -105,7 +106,15 @@ class HarmlessnessConfig(TwistTargetConfig):
             Also transform the proposal side's reward (before its `rm_type` map). The original transformed only the
             policy side.
         kl_coef (`float`, *optional*, defaults to `0.2`):
-            Coefficient `λ` of the KL-to-`p_0` penalty in the policy's return `r' − λ·Σ_t kl_t`.
+            Coefficient `λ` of the KL-to-`p_0` penalty in the policy's return `r' − λ·Σ_t kl_t` (the start value
+            when `kl_target` is set).
+        kl_target (`float`, *optional*):
+            Target of Ziegler et al. (2019)'s adaptive KL controller for `λ` (`None`: `kl_coef` stays fixed). After
+            each policy update (optimizer step) with mean per-sequence KL `kl` (`base/kl`) over its `n` policy
+            samples: `λ *= 1 + clip(kl / kl_target − 1, −0.2, 0.2)·n / kl_horizon`; the next update uses the new
+            value (logged as `base/kl_coef`; saved in checkpoints).
+        kl_horizon (`int`, *optional*, defaults to `10000`):
+            Horizon of the adaptive KL controller, in policy samples (larger: slower changes).
         kl_estimator (`str`, *optional*, defaults to `"k1"`):
             Per-token KL estimator: `"k1"`, `"k2"` or `"k3"`.
         missing_eos_penalty (`float`, *optional*):
@@ -254,7 +263,26 @@ class HarmlessnessConfig(TwistTargetConfig):
         default=False,
         metadata={"help": "Also transform the proposal side's reward before its rm_type map (the original did not)."},
     )
-    kl_coef: float = field(default=0.2, metadata={"help": "KL-to-p_0 coefficient in the policy's return."})
+    kl_coef: float = field(
+        default=0.2,
+        metadata={"help": "KL-to-p_0 coefficient in the policy's return (the adaptive controller's start value)."},
+    )
+    kl_target: float | None = field(
+        default=None,
+        metadata={
+            "help": "Target KL of Ziegler et al. (2019)'s adaptive KL controller; None: kl_coef stays fixed. After "
+            "each policy update with mean per-sequence KL `kl` (base/kl) over its n policy samples: "
+            "kl_coef *= 1 + clip(kl / kl_target - 1, -0.2, 0.2) * n / kl_horizon, used by the next update (logged "
+            "as base/kl_coef). Must be > 0."
+        },
+    )
+    kl_horizon: int = field(
+        default=10000,
+        metadata={
+            "help": "Horizon of the adaptive KL controller, in policy samples (>= 1; keep it well above the samples "
+            "of one update: each update moves kl_coef by at most 0.2 * n / kl_horizon of itself)."
+        },
+    )
     kl_estimator: Literal["k1", "k2", "k3"] = field(
         default="k1", metadata={"help": "Per-token KL estimator: 'k1' (the original's), 'k2' or 'k3'."}
     )
@@ -349,6 +377,10 @@ class HarmlessnessConfig(TwistTargetConfig):
         self._check_choice("kl_estimator", KL_ESTIMATORS)
         if self.kl_coef < 0:
             fail(f"kl_coef={self.kl_coef} must be >= 0.")
+        if self.kl_target is not None and not (math.isfinite(self.kl_target) and self.kl_target > 0):
+            fail(f"kl_target={self.kl_target}: set a positive KL target, or None for a fixed kl_coef.")
+        if self.kl_horizon < 1:
+            fail(f"kl_horizon={self.kl_horizon}: set kl_horizon >= 1 (policy samples).")
         negative = spec.kind == "harmlessness"
         if negative and not self.use_base_as_proposal and self.proposal_loss_type is None:
             fail(

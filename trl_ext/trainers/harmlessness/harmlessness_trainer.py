@@ -181,6 +181,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         self._metrics = PPOMetrics()
         self._timings: dict[str, float] = {}
         self._last_weights: torch.Tensor | None = None
+        self._kl_accumulator: tuple[float, int, int] = (0.0, 0, 0)  # (Σ base/kl, micro-steps, samples) this update
         self.beta, self.alpha = self._schedule(0)
 
     # ------------------------------------------------------------------------------------------------ setup
@@ -273,8 +274,18 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
             rollouts.proposal.ref_logprobs = self._policy_logprobs(rollouts.proposal)
             q_out = self._proposal_backward(model, rollouts.proposal, rewards.proposal_log_phi, scale)
         self._record_step(rollouts, rewards, p_out, p_lp, q_out)
+        if self.accelerator.sync_gradients:  # the policy's optimizer step follows: one update of the KL controller
+            self._update_kl_controller()
         loss = p_out.loss.detach() + (q_out.loss.loss.detach() if q_out is not None else 0.0)
         return loss * scale
+
+    def _update_kl_controller(self) -> None:
+        """Feed the update's mean per-sequence KL to ``p_0`` (``base/kl``, averaged over its micro-steps and the
+        processes) and its number of policy samples to the KL controller; the next update uses the new value."""
+        kl_sum, micro_steps, samples = self._kl_accumulator
+        self._kl_accumulator = (0.0, 0, 0)
+        if micro_steps:
+            self.kl_controller.update(kl_sum / micro_steps, samples)
 
     def _proposal_only_step(self, model: nn.Module, prompt_ids, prompt_mask, vision=None) -> None:
         """An extra proposal update on fresh proposal samples (``q_steps_per_p_step > 1``; no accumulation)."""
@@ -382,12 +393,14 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
 
     def compute_rewards(self, rollouts: HarmlessnessRollouts) -> HarmlessnessRewards:
         """Raw rewards → the policy's reward ``r'`` (``rlhf`` map, cap, optional transform), its return
-        ``r' − kl_coef·Σ_t kl_t`` (KL to ``p_0`` at sampling time, a constant) and the target's ``log φ = β·R``
+        ``r' − kl_coef·Σ_t kl_t`` (KL to ``p_0`` at sampling time, a constant; ``kl_coef`` is the KL controller's
+        current value, fixed unless ``kl_target`` is set) and the target's ``log φ = β·R``
         of both sample sets (see :class:`HarmlessnessRewards`)."""
         args, p = self.args, rollouts.policy
         reward = self._policy_shaping.transformed(p.scores).to(p.scores.device)
         kl = kl_estimate(p.logprobs, p.ref_logprobs, args.kl_estimator, p.response_mask)
-        returns = reward - args.kl_coef * masked_sum(kl, p.response_mask, dim=-1)
+        kl_coef = self.kl_controller.value
+        returns = reward - kl_coef * masked_sum(kl, p.response_mask, dim=-1)
         out = HarmlessnessRewards(reward, kl, returns, self._target_log_phi(p.scores))
         q = rollouts.proposal
         if q is not None:
@@ -396,7 +409,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
                 out.proposal_reward = self._policy_shaping.transformed(q.scores).to(q.scores.device)
                 ref0 = self._reference_logprobs(q)
                 q_kl = kl_estimate(q.ref_logprobs, ref0, args.kl_estimator, q.response_mask)
-                out.proposal_return = out.proposal_reward - args.kl_coef * masked_sum(q_kl, q.response_mask, dim=-1)
+                out.proposal_return = out.proposal_reward - kl_coef * masked_sum(q_kl, q.response_mask, dim=-1)
         return out
 
     @torch.no_grad()
@@ -503,13 +516,19 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         """Per-step metrics (:func:`~trl_ext.trainers.harmlessness.steps.step_metrics`), averaged over processes
         (``*/logprob_diff``: the largest), plus timings and the current ``beta``/``alpha``."""
         weights = self._last_weights if self.args.uses_negative_samples else None
-        values = step_metrics(self.args, rollouts, rewards, p_out, p_lp, q_out, weights)
+        kl_coef = self.kl_controller.value
+        values = step_metrics(self.args, rollouts, rewards, p_out, p_lp, q_out, weights, kl_coef=kl_coef)
         keys = list(values)
         device = rollouts.policy.scores.device
         stacked = torch.stack([torch.as_tensor(values[k], dtype=torch.float32, device=device) for k in keys])
         stacked = self.accelerator.gather(stacked.unsqueeze(0)).float()
         for key, column in zip(keys, stacked.T):
             self._metrics.add(key, column.max() if key.endswith("logprob_diff") else column.mean())
+        kl_sum, micro_steps, samples = self._kl_accumulator
+        kl = float(stacked[:, keys.index("base/kl")].mean())
+        samples += rollouts.policy.batch_size * self.accelerator.num_processes
+        self._kl_accumulator = (kl_sum + kl, micro_steps + 1, samples)
+        self._metrics.scalars["base/kl_coef"] = kl_coef
         self._metrics.add("timing/generation_policy", sum(rollouts.policy.timings.values()))
         if rollouts.proposal is not None:
             self._metrics.add("timing/generation_proposal", sum(rollouts.proposal.timings.values()))

@@ -174,8 +174,9 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch
 
 
 def step_metrics(
-    args, rollouts: HarmlessnessRollouts, rewards: HarmlessnessRewards, p_out, p_lp, q_out, weights
-) -> dict[str, torch.Tensor]:
+    args, rollouts: HarmlessnessRollouts, rewards: HarmlessnessRewards, p_out, p_lp, q_out, weights,
+    kl_coef: float | None = None,
+) -> dict[str, torch.Tensor]:  # fmt: skip
     """The metrics of one step: ``base/*`` (:func:`sample_metrics` of the policy's samples, KL against ``p_0``)
     with ``base/untransformed_reward`` (raw) and ``base/logprob_diff``; ``proposal/*`` of the proposal's samples
     (raw reward, KL against the current policy, ``ess`` of the σ-weights; with ``use_base_as_proposal`` only
@@ -185,10 +186,12 @@ def step_metrics(
     ``p_out``: the policy's `LossOutput`; ``p_lp``: its detached log-probs on its samples; ``q_out``: the
     proposal's `TwistLossOutput` or ``None``; ``weights``: the ``(P, N)`` σ-weights or ``None``.
     ``*/logprob_diff`` is the largest ``|log-prob at training − log-prob at sampling|`` (~0 before an update).
+    ``kl_coef``: the step's KL coefficient in ``*/return`` (default ``args.kl_coef``; the adaptive controller's).
     """
+    kl_coef = args.kl_coef if kl_coef is None else kl_coef
     p = rollouts.policy
     base = sample_metrics(
-        p, log_phi=rewards.policy_log_phi, kl=rewards.policy_kl, reward=rewards.policy_reward, kl_coef=args.kl_coef
+        p, log_phi=rewards.policy_log_phi, kl=rewards.policy_kl, reward=rewards.policy_reward, kl_coef=kl_coef
     )
     values = {f"base/{k}": v for k, v in base.items()}
     values["base/untransformed_reward"] = p.scores.float().mean()
@@ -201,7 +204,7 @@ def step_metrics(
     if q is not None:
         q_kl = kl_estimate(q.logprobs, q.ref_logprobs, args.kl_estimator, q.response_mask)
         proposal = sample_metrics(
-            q, log_phi=rewards.proposal_log_phi, kl=q_kl, reward=q.scores, kl_coef=args.kl_coef, weights=weights
+            q, log_phi=rewards.proposal_log_phi, kl=q_kl, reward=q.scores, kl_coef=kl_coef, weights=weights
         )
         values.update({f"proposal/{k}": v for k, v in proposal.items()})
         values["proposal/logprob_diff"] = _max_abs_diff(q_out.q_logprobs, q.logprobs, q.response_mask)

@@ -86,7 +86,14 @@ class PPOConfig(OnlineConfig):
             Pass the prompts' images (PIL) to the reward function as `images=` (vision-language policies; the
             reward must then be a callable or a `RewardFunction`). `False`: rewards score the text only.
         kl_coef (`float`, *optional*, defaults to `0.05`):
-            KL coefficient.
+            KL coefficient (the start value when `kl_target` is set).
+        kl_target (`float`, *optional*):
+            trl_ext addition. Target of Ziegler et al. (2019)'s adaptive KL controller (`None`: `kl_coef` stays
+            fixed). After each update with mean per-sequence KL `kl` (`objective/kl`) over `n` responses
+            (`batch_size`): `kl_coef *= 1 + clip(kl / kl_target - 1, -0.2, 0.2) * n / kl_horizon`; the next
+            update's rewards use the new value (logged as `objective/kl_coef`; saved in checkpoints).
+        kl_horizon (`int`, *optional*, defaults to `10000`):
+            trl_ext addition. Horizon of the adaptive KL controller, in responses (larger: slower changes).
         kl_estimator (`str`, *optional*, defaults to `"k1"`):
             Per-token KL estimator: `"k1"`, `"k2"` (trl_ext addition) or `"k3"`.
         whiten_rewards (`bool`, *optional*, defaults to `False`):
@@ -127,6 +134,11 @@ class PPOConfig(OnlineConfig):
             Discount factor.
         lam (`float`, *optional*, defaults to `0.95`):
             Lambda value for GAE.
+        freezing_actor_steps (`int`, *optional*, defaults to `0`):
+            trl_ext addition. Critic warm-up: the first N PPO updates (rollouts) train only the value model; the
+            policy's weights do not change (it gets no gradient, so the optimizer leaves its weights and its Adam
+            state untouched). Needs a separate value model (not `shared_actor_critic`) and an actor loss with a
+            critic.
         actor_loss_type (`str`, *optional*, defaults to `"ppo"`):
             trl_ext addition. `"ppo"`, `"reinforce"` or the name of any loss registered with kind `"policy"` or
             `"reinforce"` (`trl_ext.register_loss`).
@@ -225,7 +237,25 @@ class PPOConfig(OnlineConfig):
     )
 
     # ----------------------------------------------------------------------------------------------- rewards
-    kl_coef: float = field(default=0.05, metadata={"help": "KL coefficient."})
+    kl_coef: float = field(
+        default=0.05, metadata={"help": "KL coefficient (the start value of the adaptive controller, kl_target)."}
+    )
+    kl_target: float | None = field(
+        default=None,
+        metadata={
+            "help": "Target KL of Ziegler et al. (2019)'s adaptive KL controller; None: kl_coef stays fixed. After "
+            "each update with mean per-sequence KL `kl` (objective/kl) over n responses (batch_size): "
+            "kl_coef *= 1 + clip(kl / kl_target - 1, -0.2, 0.2) * n / kl_horizon, used by the next update's rewards "
+            "(logged as objective/kl_coef). Must be > 0."
+        },
+    )
+    kl_horizon: int = field(
+        default=10000,
+        metadata={
+            "help": "Horizon of the adaptive KL controller, in responses (>= 1; keep it well above batch_size: each "
+            "update moves kl_coef by at most 0.2 * batch_size / kl_horizon of itself)."
+        },
+    )
     kl_estimator: Literal["k1", "k2", "k3"] = field(
         default="k1",
         metadata={
@@ -284,6 +314,14 @@ class PPOConfig(OnlineConfig):
     )
     gamma: float = field(default=1.0, metadata={"help": "Discount factor."})
     lam: float = field(default=0.95, metadata={"help": "Lambda value for GAE."})
+    freezing_actor_steps: int = field(
+        default=0,
+        metadata={
+            "help": "Critic warm-up: the first N PPO updates (rollouts) train only the value model; the policy's "
+            "weights do not change (no gradient reaches it, so its weights and Adam state stay as they were). Needs "
+            "a separate value model (not shared_actor_critic) and a critic-based actor loss."
+        },
+    )
     actor_loss_type: str = field(
         default="ppo",
         metadata={
@@ -393,8 +431,13 @@ class PPOConfig(OnlineConfig):
             fail(f"gamma={self.gamma}, lam={self.lam}: both must be in [0, 1].")
         if self.vf_coef < 0 or self.kl_coef < 0:
             fail(f"vf_coef={self.vf_coef}, kl_coef={self.kl_coef}: coefficients must be >= 0.")
+        if self.kl_target is not None and not (math.isfinite(self.kl_target) and self.kl_target > 0):
+            fail(f"kl_target={self.kl_target}: set a positive KL target, or None for a fixed kl_coef.")
+        if self.kl_horizon < 1:
+            fail(f"kl_horizon={self.kl_horizon}: set kl_horizon >= 1 (responses).")
         self._check_choice("loss_aggregation", AGGREGATIONS)
         self._validate_actor_loss(fail)
+        self._validate_freezing_actor(fail)
         if self.total_episodes is not None and self.total_episodes < 1:
             fail(f"total_episodes={self.total_episodes}: set a positive number, or None for one pass per epoch.")
         per_device, accumulation = self.per_device_train_batch_size, self.gradient_accumulation_steps
@@ -410,6 +453,27 @@ class PPOConfig(OnlineConfig):
                 f"local_batch_size = per_device_train_batch_size × gradient_accumulation_steps = "
                 f"{per_device * accumulation} responses is not a multiple of num_samples_per_prompt="
                 f"{self.num_samples_per_prompt}; change one of them so every prompt gets all its samples."
+            )
+
+    def _validate_freezing_actor(self, fail) -> None:
+        if self.freezing_actor_steps < 0:
+            fail(f"freezing_actor_steps={self.freezing_actor_steps}: set it >= 0 (0: no critic warm-up).")
+        if not self.freezing_actor_steps:
+            return
+        if self.shared_actor_critic:
+            fail(
+                "freezing_actor_steps > 0 with shared_actor_critic=True: the value head sits on the policy's trunk, "
+                "so training the critic would change the policy. Use a separate value model or freezing_actor_steps=0."
+            )
+        if not self.uses_critic:
+            fail(
+                f"freezing_actor_steps > 0 with actor_loss_type={self.actor_loss_type!r}: this loss has no critic, so "
+                "nothing would train during the warm-up. Use freezing_actor_steps=0."
+            )
+        if self.ddp_find_unused_parameters is False:
+            fail(
+                "freezing_actor_steps > 0 with ddp_find_unused_parameters=False: the policy gets no gradient during "
+                "the warm-up, which DDP then refuses. Leave ddp_find_unused_parameters unset (or True)."
             )
 
     def _validate_actor_loss(self, fail) -> None:

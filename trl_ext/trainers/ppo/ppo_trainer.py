@@ -42,6 +42,7 @@ from ...rollout.generator import Rollout, RolloutReward, forward_response
 from ...rollout.vision import check_vision_critic, check_vision_models
 from ..common import checkpoint as ckpt
 from ..common.checks import refuse_same_object
+from ..common.kl_control import AdaptiveKLController
 from ..common.metrics import PPOMetrics, rollout_metrics
 from ..common.online import OnlineTrainerMixin, forked_rng
 from .compat import TRL112Attributes
@@ -162,6 +163,11 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
             wrapper, policy, args, data_collator, train_dataset=train_dataset, eval_dataset=eval_dataset,
             processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
         )  # fmt: skip
+        if self.is_deepspeed_enabled and args.freezing_actor_steps:
+            raise ValueError(
+                "freezing_actor_steps > 0 is not supported under DeepSpeed (its engine would still step the policy's "
+                "optimizer state with zero gradients); use freezing_actor_steps=0 there."
+            )
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
         if plugin is not None and plugin.zero_stage == 3 and not args.ds3_gather_for_generation:
             logger.warning(
@@ -178,6 +184,7 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         self._resume_path: str | None = None
         self._micro_step: int | None = None
         self._experience: Experience | None = None
+        self._actor_frozen = False
 
     # ------------------------------------------------------------------------------------------------ setup
     def _set_sizes(self, args: PPOConfig, dataset_length: int) -> None:
@@ -258,6 +265,7 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
             self._experience = self._make_experience(model, inputs)
             self._training_time = 0.0
         self._position = position
+        self._actor_frozen = self._micro_step // self._micro_steps_per_rollout < self.args.freezing_actor_steps
         start = time.perf_counter()
         loss = super().training_step(model, self._experience.micro_batch(position), num_items_in_batch)
         self._training_time += time.perf_counter() - start
@@ -295,6 +303,8 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         vision = {"vision": inputs["vision"].to(device)} if inputs.get("vision") is not None else {}
         rollout = self.rollout(model, prompt_ids.to(device), prompt_mask.to(device), **vision)
         rewards = self.compute_rewards(rollout)
+        self._metrics.scalars["objective/kl_coef"] = self.kl_controller.value  # the coefficient of these rewards
+        self._update_kl_controller(rewards.kl, rollout.response_mask)
         advantages, returns = self.compute_advantages(rollout, rewards)
         schedule = self._schedule(rollout_index, rollout)
         normalizers = self._normalizers(rollout.response_mask, schedule)
@@ -313,6 +323,15 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         )
         self._log_rollout(rollout, rewards, rollout_index)
         return experience
+
+    def _update_kl_controller(self, kl: torch.Tensor, mask: torch.Tensor) -> None:
+        """Feed this rollout's mean per-sequence KL (``objective/kl``, averaged over processes) and its
+        ``batch_size`` responses to the KL controller; the new coefficient applies from the next rollout's rewards.
+        Done when the rollout is made, so a checkpoint inside the rollout holds the updated value and its rewards."""
+        if not isinstance(self.kl_controller, AdaptiveKLController):
+            return
+        mean_kl = self.accelerator.reduce(masked_sum(kl, mask, dim=-1).mean().float(), reduction="mean")
+        self.kl_controller.update(float(mean_kl), self.args.batch_size)
 
     def _schedule(self, rollout_index: int, rollout: Rollout) -> list[torch.Tensor]:
         args = self.args
@@ -351,7 +370,8 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         return response_mask
 
     def compute_rewards(self, rollout: Rollout) -> PPORewards:
-        """Per-token rewards: the KL estimate (``kl_estimator``) times ``−kl_coef`` on every response token, plus
+        """Per-token rewards: the KL estimate (``kl_estimator``) times ``−kl_coef`` (the KL controller's current
+        value, :attr:`kl_controller`: ``kl_coef`` unless ``kl_target`` is set) on every response token, plus
         the score (clipped to ``reward_clip``) at the last position of :meth:`score_mask` (the last response token;
         one later with ``score_position="after_last_token"``, `trl_ext.ops.assemble_token_rewards`); whitened (mean
         kept) over that mask with ``whiten_rewards``."""
@@ -359,7 +379,7 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         kl = kl_estimate(rollout.logprobs, rollout.ref_logprobs, args.kl_estimator, mask)
         score_mask = self.score_mask(mask)
         rewards, non_score = assemble_token_rewards(
-            kl, rollout.scores, score_mask, args.kl_coef, clamp=args.reward_clip
+            kl, rollout.scores, score_mask, self.kl_controller.value, clamp=args.reward_clip
         )
         if args.whiten_rewards:
             rewards = masked_whiten(rewards, score_mask, shift_mean=False)
@@ -415,7 +435,11 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         )  # fmt: skip
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """Policy loss + ``vf_coef`` × value loss of the micro-batch ``inputs`` (built by :meth:`training_step`)."""
+        """Policy loss + ``vf_coef`` × value loss of the micro-batch ``inputs`` (built by :meth:`training_step`).
+
+        During the critic warm-up (the first ``freezing_actor_steps`` rollouts) the policy loss is computed for the
+        metrics but left out of the loss: the policy gets no gradient (``grad`` stays ``None``), so the optimizer
+        skips its parameters — weights, Adam moments and step count unchanged — and only the critic trains."""
         mask = inputs["response_mask"]
         uses_critic = "returns" in inputs
         out = forward_response(
@@ -428,7 +452,8 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         if uses_critic:
             normalizer = inputs.get("value_normalizer", inputs["normalizer"])
             value = self.compute_value_loss(out.values, inputs, normalizer)
-            loss = loss + self.args.vf_coef * value.loss
+            value_term = self.args.vf_coef * value.loss
+            loss = value_term if self._actor_frozen else loss + value_term
         self._record_step(out.logprobs.detach(), out.entropy, inputs, policy, value)
         return (loss, out) if return_outputs else loss
 
