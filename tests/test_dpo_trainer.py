@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -547,3 +548,16 @@ def test_extra_loss_gets_only_the_keywords_it_declares(tmp_path, monkeypatch):
     assert seen == {"aggregation": "mine", "beta": 0.7}  # unlikelihood's options go to unlikelihood only
     ul = ExtraLoss(_args(tmp_path, extra_loss="unlikelihood", unlikelihood_aggregation="token-mean"), beta=0.1)
     assert ul._options == {"eps": 1e-6, "aggregation": "token-mean"}
+
+
+def test_model_card_names_a_local_base_model(tiny_tokenizer, tiny_preference_dataset, tiny_llama_dir, tmp_path):
+    """TRL's card writes "[None](https://huggingface.co/None)" for a model loaded from a folder; ours names it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    trainer = DPOTrainer(model=model, ref_model=None, args=_args(tmp_path, max_steps=1),
+                         train_dataset=tiny_preference_dataset, processing_class=tiny_tokenizer)  # fmt: skip
+    trainer.create_model_card(model_name="tiny-dpo")
+    card = (tmp_path / "README.md").read_text()
+    assert "huggingface.co/None" not in card and 'model="None"' not in card
+    assert os.path.abspath(tiny_llama_dir) in card and str(tmp_path) in card

@@ -19,6 +19,7 @@ import torch
 from trl import SFTConfig, SFTTrainer
 
 from ..losses import get_loss
+from .common.model_card import CompleteModelCard
 
 __all__ = ["KDConfig", "KDTrainer"]
 
@@ -97,7 +98,7 @@ class KDConfig(SFTConfig):
             )
 
 
-class KDTrainer(SFTTrainer):
+class KDTrainer(CompleteModelCard, SFTTrainer):
     """[`~trl.SFTTrainer`] that adds a distillation term towards a frozen teacher (see [`KDConfig`]).
 
     Args:

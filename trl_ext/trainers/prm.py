@@ -35,6 +35,7 @@ from trl.trainer.base_trainer import _BaseTrainer
 from trl.trainer.utils import pad
 
 from ..losses import get_loss
+from .common.model_card import CompleteModelCard
 
 __all__ = [
     "PRMConfig",
@@ -333,7 +334,7 @@ def _architecture_kind(model) -> str | None:
     return None
 
 
-class PRMTrainer(_BaseTrainer):
+class PRMTrainer(CompleteModelCard, _BaseTrainer):
     """Trains a process reward model on step-labelled solutions (see the module docstring and [`PRMConfig`]).
 
     Args:

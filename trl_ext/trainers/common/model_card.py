@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["base_model_of", "complete_card_text", "describe_base_model", "write_text_atomically"]
+__all__ = [
+    "CompleteModelCard",
+    "base_model_of",
+    "complete_card_text",
+    "describe_base_model",
+    "write_text_atomically",
+]
 
 _NONE_LINK = "[None](https://huggingface.co/None)"
 _NONE_PIPELINE = 'model="None"'
@@ -47,3 +53,21 @@ def write_text_atomically(path: str, text: str) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+class CompleteModelCard:
+    """Mixin for a `Trainer` subclass (put it before TRL's trainer in the bases): its ``create_model_card`` writes
+    TRL's card, then names a local or config-built base model and points the quick start at ``output_dir`` when
+    the run has no Hub id (:func:`complete_card_text`)."""
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags=None) -> None:
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        if not self.is_world_process_zero():
+            return
+        path = os.path.join(self.args.output_dir, "README.md")
+        if not os.path.isfile(path):
+            return
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        location = self.args.hub_model_id or os.path.abspath(self.args.output_dir)
+        write_text_atomically(path, complete_card_text(text, base_model_of(self.model), location))

@@ -39,7 +39,7 @@ from ...rollout.vision import (
 from . import checkpoint as ckpt
 from .kl_control import build_kl_controller
 from .metrics import log_completions_table, print_completions_table
-from .model_card import base_model_of, complete_card_text, write_text_atomically
+from .model_card import CompleteModelCard, write_text_atomically
 
 __all__ = ["OnlineTrainerMixin", "forked_rng", "hub_push_errors"]
 
@@ -84,7 +84,7 @@ def hub_push_errors(trainer, creating: bool = False) -> Iterator[None]:
         ) from err
 
 
-class OnlineTrainerMixin(abc.ABC):
+class OnlineTrainerMixin(CompleteModelCard, abc.ABC):
     """Setup, data, resume and save steps shared by the online trainers (see the module docs)."""
 
     _config_class: type = object
@@ -313,19 +313,6 @@ class OnlineTrainerMixin(abc.ABC):
     def _card_model_name(self) -> str:
         hub_id = self.args.hub_model_id
         return hub_id.split("/")[-1] if hub_id else os.path.basename(os.path.normpath(self.args.output_dir))
-
-    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags=None) -> None:
-        """TRL's model card in ``output_dir/README.md``, naming the base model when it is a local folder or was built
-        from a config (TRL writes "[None]" there) and pointing the quick start at ``output_dir`` when the run has
-        no Hub id (:mod:`~trl_ext.trainers.common.model_card`)."""
-        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
-        if not self.is_world_process_zero():
-            return
-        path = os.path.join(self.args.output_dir, "README.md")
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-        location = self.args.hub_model_id or os.path.abspath(self.args.output_dir)
-        write_text_atomically(path, complete_card_text(text, base_model_of(self.model), location))
 
     def _write_checkpoint_card(self, checkpoint_dir: str) -> None:
         """The model card of a checkpoint (TRL ≤ 1.12 wrote one at every save): ``output_dir/README.md`` as

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import trl
 
+from ..common.model_card import CompleteModelCard
 from .common import (
     ExtraLoss,
     ExtraLossArguments,
@@ -66,7 +67,7 @@ class KTOConfig(ExtraLossArguments, trl.KTOConfig):
         self._check_extra_loss(needs_rejected_only=True, trainer="KTOTrainer")
 
 
-class KTOTrainer(ExtraLossLogging, trl.KTOTrainer):
+class KTOTrainer(CompleteModelCard, ExtraLossLogging, trl.KTOTrainer):
     """`trl.KTOTrainer` with an optional extra loss on the undesirable rows.
 
     Arguments are those of `trl.KTOTrainer`; ``args`` is a trl_ext [`KTOConfig`] (a plain `trl.KTOConfig` works
