@@ -13,8 +13,10 @@
   and a GPU is present, else says so and falls back to HF.
 - Best-of-N: `--num_samples N --reward_model_path RM` scores every sample and keeps the best (all scores recorded).
 - Scoring: `--mode score` scores the dataset's `prompt` / `--response_column` pairs; nothing is generated.
-- Output: one JSON line per prompt, flushed after every `--batch_size` prompts. Run the same command again to resume:
-  prompts already in `--output_file` are skipped (by row index, or `--id_column`), a torn last line is repaired.
+- Output: one JSON line per prompt, flushed after every `--batch_size` prompts; the settings and a run id go to
+  `<output_file>.meta.json`. Run the same command again to resume: prompts already in `--output_file` are skipped (by
+  row index, or `--id_column`) and the finished file equals an uninterrupted run's. A file batch inference did not
+  write, or a resume with other settings (`--num_samples`, `--temperature`, ...), is refused and left untouched;
   `--overwrite` starts afresh.
 """
 
@@ -44,7 +46,13 @@ def main(script_args: ScriptArguments, args: BatchInferenceArguments, model_args
                 model.to("cuda")
     reward_fn = load_reward_function(args)
     summary = run_batch_inference(
-        dataset, args, model=model, tokenizer=tokenizer, reward_fn=reward_fn, model_path=path
+        dataset,
+        args,
+        model=model,
+        tokenizer=tokenizer,
+        reward_fn=reward_fn,
+        model_path=path,
+        model_revision=model_args.model_revision,
     )
     print(
         f"{summary['written']} rows written to {summary['output_file']} "

@@ -1,10 +1,14 @@
 """Batch inference (`trl_ext.inference.batch`, `recipes/batch_inference.py`): generation rows, best-of-N, scoring
-mode, resuming (also after a torn last line) and the recipe with its tiny example YAML."""
+mode, resuming (after a torn last line or a SIGKILL: the file of an uninterrupted run, every row once), the refusals
+(a file it did not write, other settings, another run or dataset: the file is left untouched) and the recipe with its
+tiny example YAML."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 
 import pytest
 import torch
@@ -19,6 +23,7 @@ from trl_ext.inference import (
     row_digest,
     run_batch_inference,
 )
+from trl_ext.inference.batch import metadata_path, read_metadata
 from trl_ext.models import CallableReward, ModelReward
 
 RECIPE = RECIPES / "batch_inference.py"
@@ -170,21 +175,167 @@ def test_second_run_generates_nothing_new(policy, tmp_path):
     assert (tmp_path / "out.jsonl").read_text() == first and reward.calls == 12
 
 
-def test_resume_after_a_torn_last_line(policy, tmp_path, caplog):
+def best_of_2(tmp_path, name="out.jsonl", **kwargs) -> BatchInferenceArguments:
+    """Sampled best-of-2 (so every row depends on the random numbers), 3 prompts per chunk."""
+    return args_for(tmp_path, **{"output_file": str(tmp_path / name), "num_samples": 2, "temperature": 1.0, **kwargs})
+
+
+def killed_copy(tmp_path, done, rows: int, torn: bool, name="killed.jsonl"):
+    """A copy of the finished output ``done`` (and its metadata) as a kill would leave it: the first ``rows`` rows,
+    then (``torn``) half of the next line."""
+    killed = tmp_path / name
+    shutil.copy(metadata_path(done), metadata_path(killed))
+    lines = done.read_bytes().splitlines(keepends=True)
+    killed.write_bytes(b"".join(lines[:rows]) + (lines[rows][: len(lines[rows]) // 2] if torn else b""))
+    return killed
+
+
+@pytest.mark.parametrize(("rows", "torn"), [(0, True), (3, True), (4, True), (4, False), (6, False)])
+def test_resume_after_a_kill_reproduces_the_uninterrupted_run(policy, reward, tmp_path, caplog, rows, torn):
+    """Killed after ``rows`` rows (at a chunk boundary or inside a chunk, mid-line or not): the resumed file is byte
+    for byte the uninterrupted run's, every row once, and the caller's random state is left alone."""
+    model, tokenizer = policy
+    dataset = kit.prompt_dataset(n=8)
+    run_batch_inference(dataset, best_of_2(tmp_path), model=model, tokenizer=tokenizer, reward_fn=reward)
+    done = tmp_path / "out.jsonl"
+    killed = killed_copy(tmp_path, done, rows, torn)
+
+    torch.manual_seed(1234)  # a new process: whatever random state the caller has
+    state = torch.get_rng_state()
+    with caplog.at_level(logging.WARNING, logger="trl_ext.inference.batch"):
+        summary = run_batch_inference(
+            dataset, best_of_2(tmp_path, "killed.jsonl"), model=model, tokenizer=tokenizer, reward_fn=reward
+        )
+    assert torch.equal(torch.get_rng_state(), state)
+    assert summary == {"total": 8, "already_done": rows, "written": 8 - rows, "output_file": str(killed)}
+    assert ("removing a torn last line" in caplog.text) == torn
+    assert killed.read_bytes() == done.read_bytes()
+    assert [r["key"] for r in read_rows(killed)] == [str(i) for i in range(8)]
+    assert any(r["completions"][0] != r["completions"][1] for r in read_rows(killed))  # rows were sampled
+
+
+@pytest.mark.slow
+def test_recipe_resumed_after_sigkill_equals_an_uninterrupted_run(tiny_workdir):
+    """The recipe killed with SIGKILL mid-run, then run again: every prompt exactly once, and the rows (less the run
+    id) are those of an uninterrupted run."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from online_helpers import subprocess_env
+
+    def command(name):
+        return [sys.executable, str(RECIPE), "--config", str(TINY_YAML), "--progress", "false",
+                "--batch_size", "2", "--max_new_tokens", "32", "--output_file", f"outputs/{name}.jsonl"]  # fmt: skip
+
+    killed = tiny_workdir / "outputs" / "killed.jsonl"
+    log = tiny_workdir / "killed.log"
+    with open(log, "wb") as stderr:
+        proc = subprocess.Popen(command("killed"), cwd=tiny_workdir, env=subprocess_env(), stderr=stderr)
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and time.monotonic() < deadline:
+            if killed.exists() and killed.read_bytes().count(b"\n") >= 3:
+                proc.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.002)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, log.read_text()[-3000:]
+    assert 3 <= killed.read_bytes().count(b"\n") < 64
+    resumed = run(command("killed"), cwd=tiny_workdir)
+    assert "were already done" in resumed.stdout
+    run(command("straight"), cwd=tiny_workdir)
+
+    def rows(name):
+        found = read_rows(tiny_workdir / "outputs" / f"{name}.jsonl")
+        return [{k: v for k, v in r.items() if k != "run_id"} for r in found]
+
+    assert [r["key"] for r in rows("killed")] == [str(i) for i in range(64)]
+    assert rows("killed") == rows("straight")
+
+
+def test_load_finished_rows_reads_only(tmp_path):
+    path = tmp_path / "out.jsonl"
+    path.write_text('{"key": "0"}\n{"key": "1"}\n{"key": "2", "compl')
+    assert sorted(load_finished_rows(path)) == ["0", "1"]
+    assert path.read_text() == '{"key": "0"}\n{"key": "1"}\n{"key": "2", "compl'  # the torn line is still there
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b'{"key": "0", "prompt": "my own notes"}\n', b'{"key": "0", "prompt": "no newline"}', b"plain text\n"],
+)
+def test_a_file_it_did_not_write_is_refused_untouched(policy, tmp_path, content):
+    model, tokenizer = policy
+    path = tmp_path / "out.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match="was not written by batch inference.*--overwrite"):
+        run_batch_inference(kit.prompt_dataset(n=2), args_for(tmp_path), model=model, tokenizer=tokenizer)
+    assert path.read_bytes() == content and not os.path.exists(metadata_path(path))
+    # --overwrite replaces it, as the message says
+    run_batch_inference(kit.prompt_dataset(n=2), args_for(tmp_path, overwrite=True), model=model, tokenizer=tokenizer)
+    assert len(read_rows(path)) == 2 and read_metadata(path)["run_id"] == read_rows(path)[0]["run_id"]
+
+
+def test_an_empty_file_without_metadata_is_a_fresh_start(policy, tmp_path):
+    model, tokenizer = policy
+    (tmp_path / "out.jsonl").write_bytes(b"")
+    summary = run_batch_inference(kit.prompt_dataset(n=2), args_for(tmp_path), model=model, tokenizer=tokenizer)
+    assert summary["written"] == 2
+
+
+@pytest.mark.parametrize(
+    ("change", "flag"),
+    [({"num_samples": 1}, "--num_samples"), ({"temperature": 0.0}, "--temperature"), ({"seed": 3}, "--seed")],
+)
+def test_resume_with_other_settings_is_refused_untouched(policy, tmp_path, change, flag):
+    """A job of 40 best-of-2 rows must not be finished with greedy rows (or another seed): the run stops and names the
+    setting; the file and its metadata are unchanged (a torn last line included)."""
+    model, tokenizer = policy
+    dataset = kit.prompt_dataset(n=4)
+    run_batch_inference(dataset, best_of_2(tmp_path, "done.jsonl"), model=model, tokenizer=tokenizer)
+    path = killed_copy(tmp_path, tmp_path / "done.jsonl", rows=2, torn=True, name="out.jsonl")
+    before, meta = path.read_bytes(), open(metadata_path(path), "rb").read()
+    with pytest.raises(ValueError, match=f"other settings.*{flag} \\(file: "):
+        run_batch_inference(dataset, best_of_2(tmp_path, **change), model=model, tokenizer=tokenizer)
+    assert path.read_bytes() == before and open(metadata_path(path), "rb").read() == meta
+
+
+def test_greedy_resume_ignores_sampling_only_settings(policy, tmp_path):
+    model, tokenizer = policy
+    dataset = kit.prompt_dataset(n=4)
+    run_batch_inference(
+        dataset.select(range(2)), args_for(tmp_path, temperature=0.0), model=model, tokenizer=tokenizer
+    )
+    args = args_for(tmp_path, temperature=0.0, seed=7, top_p=0.5)
+    assert run_batch_inference(dataset, args, model=model, tokenizer=tokenizer)["written"] == 2
+
+
+def test_rows_of_another_run_are_refused_untouched(policy, tmp_path):
+    """Metadata and rows belong together: a row with another run id (the file was replaced or appended to by someone
+    else) stops the run, even as an unterminated last line."""
+    model, tokenizer = policy
+    dataset = kit.prompt_dataset(n=4)
+    args = args_for(tmp_path)
+    run_batch_inference(dataset.select(range(2)), args, model=model, tokenizer=tokenizer)
+    path = tmp_path / "out.jsonl"
+    first = path.read_bytes()
+    for extra in (b'{"key": "2", "run_id": "someone-else"}\n', b'{"key": "2", "run_id": "someone-else"}'):
+        path.write_bytes(first + extra)
+        with pytest.raises(ValueError, match="not written by the run recorded in"):
+            run_batch_inference(dataset, args, model=model, tokenizer=tokenizer)
+        assert path.read_bytes() == first + extra
+
+
+def test_batch_size_may_change_on_resume(policy, tmp_path, caplog):
     model, tokenizer = policy
     dataset = kit.prompt_dataset(n=6)
-    path = tmp_path / "out.jsonl"
-    run_batch_inference(dataset.select(range(4)), args_for(tmp_path), model=model, tokenizer=tokenizer)
-    lines = path.read_text().splitlines(keepends=True)
-    path.write_text("".join(lines[:3]) + lines[3][: len(lines[3]) // 2])  # killed while writing row 3
-
-    assert sorted(load_finished_rows(path)) == ["0", "1", "2"]  # the torn line is dropped from the file...
-    assert path.read_text() == "".join(lines[:3])
-    summary = run_batch_inference(dataset, args_for(tmp_path), model=model, tokenizer=tokenizer)
-    assert summary == {"total": 6, "already_done": 3, "written": 3, "output_file": str(path)}
-    rows = read_rows(path)  # ...and every line of the finished file parses
-    assert [r["key"] for r in rows] == ["0", "1", "2", "3", "4", "5"]
-    assert "".join(path.read_text().splitlines(keepends=True)[:3]) == "".join(lines[:3])  # done rows untouched
+    run_batch_inference(dataset, best_of_2(tmp_path, "done.jsonl"), model=model, tokenizer=tokenizer)
+    path = killed_copy(tmp_path, tmp_path / "done.jsonl", rows=4, torn=True, name="out.jsonl")
+    with caplog.at_level(logging.WARNING, logger="trl_ext.inference.batch"):
+        summary = run_batch_inference(dataset, best_of_2(tmp_path, batch_size=2), model=model, tokenizer=tokenizer)
+    assert summary["written"] == 2 and "not be byte-identical" in caplog.text
+    assert [r["key"] for r in read_rows(path)] == [str(i) for i in range(6)]
 
 
 def test_resume_refuses_a_file_of_another_dataset(policy, tmp_path):

@@ -14,41 +14,77 @@ trainers tokenise prompts (:func:`trl_ext.rollout.data.prepare_prompt_dataset`).
 
 Output: one JSON object per line and per prompt, written and flushed after every chunk of ``batch_size`` prompts::
 
-    {"key": "3", "index": 3, "digest": "…", "prompt": …, "completion": "…", "score": 0.41,
+    {"key": "3", "index": 3, "digest": "…", "run_id": "…", "prompt": …, "completion": "…", "score": 0.41,
      "completions": ["…", …], "scores": [0.41, …], "best_index": 0}
 
 ``completions``/``scores`` hold every sample (when ``num_samples > 1``), ``completion``/``score``/``best_index`` the
 chosen one (``completion`` is the only sample when ``num_samples == 1``; with several samples and no reward model
 there is no choice, so only ``completions`` is written). Scoring mode writes ``prompt``, ``response`` and ``score``.
 
-Resuming: ``key`` is the value of ``id_column`` (when given) or the row index. Rows whose key is already in the output
-file are skipped, so running the same command again after an interruption finishes the job and a finished job
-generates nothing. ``digest`` (a hash of the prompt, and of the response in scoring mode) must match the dataset
-row with the same key, otherwise the file belongs to another dataset and the run stops with an error. A last line
-cut off by a kill mid-write (no final newline, or not valid JSON) is removed before appending.
+Metadata: before the first row, ``<output_file>.meta.json`` is written (atomically) with the format version, a run id
+and every setting that changes the rows (mode, model, backend, samples, sampling settings, seed, reward, chat
+template, id column); the JSONL itself stays a plain file of rows. Each row carries the ``run_id``.
+
+Resuming: ``key`` is the value of ``id_column`` (when given) or the row index. Running the same command again after an
+interruption finishes the job (a finished job generates nothing), and refuses rather than guesses:
+
+- an existing output file without our metadata (not written by batch inference) is refused and left untouched;
+- a setting that changes the rows differs from the metadata's: refused, naming the settings;
+- a row with another run id, or a row whose ``digest`` (a hash of the prompt, and of the response in scoring mode)
+  does not match the dataset row with the same key: refused (another run's or another dataset's file);
+- only then, a last line cut off by a kill mid-write (no final newline, or not valid JSON) is removed.
+
+``--overwrite`` starts afresh (and is the way to reuse a file batch inference did not write).
+
+Reproducibility: the prompts are processed in fixed chunks of ``batch_size`` consecutive rows, and each chunk's
+sampling is seeded from ``(seed, first row of the chunk)`` (vLLM: each prompt from ``(seed, row)``). A resumed run
+regenerates a chunk that was cut short and appends only its missing rows, so with the same settings (and
+``batch_size``) the finished file is byte for byte the file of an uninterrupted run. Changing ``batch_size`` on
+resume is allowed (e.g. after running out of memory): the new rows are drawn with the same settings, but not with the
+random numbers an uninterrupted run would have used.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import contextlib
 import logging
 import os
+import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .generation import BACKENDS, VLLMGenerator, generate_texts, resolve_backend, sampling_settings, stop_token_ids
+from .output_file import (
+    FORMAT,
+    FORMAT_VERSION,
+    JsonlWriter,
+    check_settings,
+    derived_seed,
+    load_finished_rows,
+    metadata_path,
+    read_metadata,
+    row_digest,
+    scan_rows,
+    write_metadata,
+)
 
 __all__ = [
     "BatchInferenceArguments",
     "JsonlWriter",
+    "check_settings",
+    "derived_seed",
     "load_finished_rows",
     "load_reward_function",
+    "metadata_path",
+    "read_metadata",
     "row_digest",
     "row_keys",
     "run_batch_inference",
+    "run_settings",
+    "write_metadata",
 ]
 
 logger = logging.getLogger(__name__)
@@ -86,9 +122,14 @@ class BatchInferenceArguments:
 
     output_file: str = field(
         default="outputs/batch_inference.jsonl",
-        metadata={"help": "JSONL file to write (appended to; prompts already in it are skipped)."},
-    )
-    overwrite: bool = field(default=False, metadata={"help": "Start the output file afresh instead of resuming."})
+        metadata={"help": "JSONL file to write (appended to; prompts already in it are skipped). Its settings and run "
+                  "id go to <output_file>.meta.json; a file batch inference did not write is refused."},
+    )  # fmt: skip
+    overwrite: bool = field(
+        default=False,
+        metadata={"help": "Start the output file afresh instead of resuming (also replaces a file batch inference "
+                  "did not write, or one written with other settings)."},
+    )  # fmt: skip
     progress: bool = field(default=True, metadata={"help": "Show a progress bar."})
     mode: str = field(
         default="generate",
@@ -108,8 +149,10 @@ class BatchInferenceArguments:
     top_k: int | None = field(default=None, metadata={"help": "Top-k sampling (None: off)."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling threshold (1.0: off)."})
     batch_size: int = field(
-        default=8, metadata={"help": "Prompts per chunk; each chunk is generated, scored and written together."}
-    )
+        default=8,
+        metadata={"help": "Prompts per chunk; each chunk is generated, scored and written together, its sampling "
+                  "seeded from (--seed, its first row). Resume with the same value for a byte-identical file."},
+    )  # fmt: skip
     use_chat_template: bool = field(
         default=False,
         metadata={"help": "Render plain-text prompts as a user message with the chat template (conversational "
@@ -118,7 +161,9 @@ class BatchInferenceArguments:
     stop_tokens: list[str] | None = field(
         default=None, metadata={"help": "Extra tokens that end a response (the eos and end-of-turn tokens always do)."}
     )
-    seed: int = field(default=0, metadata={"help": "Random seed of the sampling."})
+    seed: int = field(
+        default=0, metadata={"help": "Random seed of the sampling (each chunk is seeded from it and its first row)."}
+    )
     reward_model_path: str | None = field(
         default=None,
         metadata={
@@ -154,74 +199,57 @@ class BatchInferenceArguments:
             raise ValueError("Need --temperature >= 0 and 0 < --top_p <= 1.")
 
 
-# --------------------------------------------------------------------------------------------------- the JSONL file
-def row_digest(*values: Any) -> str:
-    """A short stable hash of JSON-serialisable values (the prompt, and the response in scoring mode)."""
-    text = json.dumps(values, sort_keys=True, ensure_ascii=False)
-    return hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
+def _local_path(path: str | None) -> str | None:
+    """An existing local path made absolute (so relative and absolute spellings match); anything else as is."""
+    return os.path.abspath(path) if path and os.path.exists(path) else path
 
 
-def load_finished_rows(path: str | os.PathLike) -> dict[str, dict]:
-    """The rows already in the output file, by key; a torn last line is cut off the file (with a warning).
+def run_settings(
+    args: BatchInferenceArguments,
+    *,
+    backend: str | None = None,
+    model=None,
+    model_path: str | None = None,
+    model_revision: str | None = None,
+    reward_fn=None,
+) -> dict[str, Any]:
+    """The settings that change the rows of a run, as recorded in the metadata and compared on resume.
 
-    Raises:
-        ValueError: a line other than the last is not a JSON object with a ``key``.
-    """
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        return {}
-    with open(path, "rb") as f:
-        data = f.read()
-    pieces = data.split(b"\n")  # a complete file ends with "\n", so its last piece is b""
-    rows: dict[str, dict] = {}
-    offset = 0
-    for number, piece in enumerate(pieces, start=1):
-        is_unterminated = number == len(pieces)
-        is_last_line = number == len(pieces) - 1 and pieces[-1] == b""
-        row = None
-        if not is_unterminated and piece.strip():
-            try:
-                row = json.loads(piece)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                row = None
-            if not isinstance(row, dict) or "key" not in row:
-                if not is_last_line:
-                    raise ValueError(
-                        f"{path}: line {number} is not a row written by batch inference. Fix or delete the file, or "
-                        "pass --overwrite to start again."
-                    )
-                row = None
-        if row is None and piece.strip():  # torn: unterminated, or the last line does not parse
-            logger.warning("%s: removing a torn last line (%d bytes) left by an interrupted run.", path, len(piece))
-            with open(path, "r+b") as f:
-                f.truncate(offset)
-            break
-        if row is not None:
-            rows[str(row["key"])] = row
-        offset += len(piece) + 1
-    return rows
-
-
-class JsonlWriter:
-    """Append rows to a JSONL file, one line each, flushed at once (a kill loses at most the line being written)."""
-
-    def __init__(self, path: str | os.PathLike, overwrite: bool = False):
-        self.path = os.fspath(path)
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        self._file = open(self.path, "w" if overwrite else "a", encoding="utf-8")
-
-    def write(self, rows: list[dict]) -> None:
-        self._file.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-        self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+    The batch sizes and the progress bar are not among them (a resumed run may change them); neither is the prompt
+    set, which is checked row by row (a run may be extended to more prompts)."""
+    reward = None
+    if reward_fn is not None:
+        reward = args.reward_model_path
+        if reward is None or not reward.startswith(("http://", "https://")):
+            reward = _local_path(reward) or getattr(reward_fn, "name", type(reward_fn).__name__)
+    common = {
+        "mode": args.mode,
+        "id_column": args.id_column,
+        "reward": reward,
+        "reward_max_length": args.reward_max_length,
+        "reward_use_chat_template": args.reward_use_chat_template,
+    }
+    if args.mode == "score":
+        return {**common, "response_column": args.response_column}
+    if model_path is None and model is not None:
+        model_path = getattr(getattr(model, "config", None), "_name_or_path", None) or None
+    param = next(model.parameters(), None) if model is not None else None
+    sampling = args.temperature > 0
+    return {
+        **common,
+        "model": _local_path(model_path),
+        "model_revision": model_revision,
+        "model_dtype": str(param.dtype).removeprefix("torch.") if param is not None else None,
+        "backend": backend,
+        "num_samples": args.num_samples,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": float(args.temperature),
+        "top_k": (args.top_k or None) if sampling else None,  # sampling-only settings do not matter when greedy
+        "top_p": float(args.top_p) if sampling else None,
+        "seed": args.seed if sampling else None,
+        "stop_tokens": sorted(args.stop_tokens or []),
+        "use_chat_template": args.use_chat_template,
+    }
 
 
 def row_keys(dataset, id_column: str | None) -> list[str]:
@@ -279,8 +307,8 @@ def _prompt_token_ids(prompts: list, tokenizer, use_chat_template: bool, progres
 class _Generator:
     """``n`` responses per prompt from HF ``generate`` or vLLM."""
 
-    def __init__(self, args: BatchInferenceArguments, model, tokenizer, model_path: str | None, chat: bool):
-        self.args, self.model, self.tokenizer = args, model, tokenizer
+    def __init__(self, args: BatchInferenceArguments, model, tokenizer, model_path: str | None, chat: bool, backend):
+        self.args, self.model, self.tokenizer, self.backend = args, model, tokenizer, backend
         stops = stop_token_ids(tokenizer, model, args.stop_tokens or (), chat=chat)
         self.settings = sampling_settings(
             tokenizer,
@@ -290,18 +318,20 @@ class _Generator:
             top_k=args.top_k,
             top_p=args.top_p,
         )
-        self.backend = resolve_backend(args.backend)
-        if self.backend == "vllm":
+        if backend == "vllm":
             if model_path is None:
                 raise ValueError("The vLLM backend needs the model's path (model_path=).")
             self._vllm = VLLMGenerator(model_path, seed=args.seed)
         elif model is None:
             raise ValueError("Generation with HF generate needs the policy model (model=).")
 
-    def __call__(self, prompt_ids: list[list[int]]) -> list[list[str]]:
+    def __call__(self, prompt_ids: list[list[int]], index: list[int]) -> list[list[str]]:
+        """The samples of the prompts at dataset rows ``index``. HF: run under the chunk's seed (set by the caller);
+        vLLM: each prompt seeded from ``(seed, row)``."""
         n = self.args.num_samples
         if self.backend == "vllm":
-            return self._vllm(prompt_ids, self.settings, n=n)
+            seeds = [derived_seed(self.args.seed, i) for i in index]
+            return self._vllm(prompt_ids, self.settings, n=n, seeds=seeds)
         repeated = [ids for ids in prompt_ids for _ in range(n)]  # rows grouped prompt by prompt
         texts = generate_texts(self.model, self.tokenizer, repeated, self.settings, batch_size=len(repeated))
         return [texts[i * n : (i + 1) * n] for i in range(len(prompt_ids))]
@@ -309,7 +339,7 @@ class _Generator:
 
 def _generation_rows(chunk: list[dict], prompt_ids: list[list[int]], generator: _Generator, reward_fn) -> list[dict]:
     prompts = [row["prompt"] for row in chunk]
-    samples = generator(prompt_ids)
+    samples = generator(prompt_ids, [row["index"] for row in chunk])
     n = generator.args.num_samples
     scores = None
     if reward_fn is not None:
@@ -331,6 +361,66 @@ def _generation_rows(chunk: list[dict], prompt_ids: list[list[int]], generator: 
     return out
 
 
+@contextlib.contextmanager
+def _seeded(seed: int, model=None):
+    """Run the block from torch seed ``seed`` and restore the caller's random state afterwards."""
+    param = next(model.parameters(), None) if model is not None else None
+    devices = [param.device] if param is not None and param.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def _open_output(args: BatchInferenceArguments, settings: dict, digests: list[str], keys: list[str]):
+    """``(run_id, finished rows by key, resuming)`` of the output file, after every check, so that nothing is
+    modified unless the file is ours and matches this run; a torn last line of our own file is removed. A fresh run
+    writes the metadata."""
+    path, meta_file = os.fspath(args.output_file), metadata_path(args.output_file)
+    exists = os.path.exists(path)
+    fresh = args.overwrite or not exists or (os.path.getsize(path) == 0 and not os.path.exists(meta_file))
+    if fresh:
+        run_id = uuid.uuid4().hex
+        write_metadata(
+            path,
+            {
+                "format": FORMAT,
+                "version": FORMAT_VERSION,
+                "run_id": run_id,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "settings": settings,
+                "batch_size": args.batch_size,  # not binding: a resumed run may change it (see the module notes)
+                "prompts": {"rows": len(keys), "fingerprint": row_digest(digests)},
+            },
+        )
+        return run_id, {}, False
+    meta = read_metadata(path)
+    check_settings(path, meta["settings"], settings)
+    run_id = meta["run_id"]
+    done, complete_bytes, torn_bytes = scan_rows(path, run_id)
+    by_key = {k: i for i, k in enumerate(keys)}
+    for key, row in done.items():
+        i = by_key.get(key)
+        if i is not None and row.get("digest") != digests[i]:
+            raise ValueError(
+                f"{path} holds a row with key {key} for another prompt than row {i} of this dataset: it was written "
+                "for a different dataset or --id_column. The file is left untouched; use another --output_file, or "
+                "--overwrite."
+            )
+    if meta.get("batch_size") != args.batch_size:
+        logger.warning(
+            "%s was started with --batch_size %s, resumed with %s: the new rows are drawn with the same settings but "
+            "will not be byte-identical to those of an uninterrupted run.",
+            path,
+            meta.get("batch_size"),
+            args.batch_size,
+        )
+    if torn_bytes:
+        logger.warning("%s: removing a torn last line (%d bytes) left by an interrupted run.", path, torn_bytes)
+        with open(path, "r+b") as f:
+            f.truncate(complete_bytes)
+    return run_id, done, True
+
+
 def run_batch_inference(
     dataset,
     args: BatchInferenceArguments,
@@ -339,6 +429,7 @@ def run_batch_inference(
     tokenizer=None,
     reward_fn=None,
     model_path: str | None = None,
+    model_revision: str | None = None,
 ) -> dict[str, Any]:
     """Generate (or score) every row of ``dataset`` not yet in ``args.output_file`` and append the rows.
 
@@ -349,10 +440,15 @@ def run_batch_inference(
         tokenizer: the policy's tokenizer (generation mode); it must have a pad token.
         reward_fn: a :class:`~trl_ext.models.RewardFunction` (best-of-N, scoring mode), e.g. from
             :func:`load_reward_function`.
-        model_path: the policy's folder or Hub id (vLLM backend).
+        model_path: the policy's folder or Hub id (vLLM backend; recorded in the metadata).
+        model_revision: the policy's Hub revision (recorded in the metadata).
 
     Returns:
         ``{"total", "already_done", "written", "output_file"}``.
+
+    Raises:
+        ValueError: the output file exists and was not written by batch inference, was written with other settings,
+            by another run or for another dataset (the file is then left untouched).
     """
     if "prompt" not in dataset.column_names:
         raise ValueError(f"The dataset needs a 'prompt' column; it has {dataset.column_names}.")
@@ -374,45 +470,49 @@ def run_batch_inference(
     prompts = dataset["prompt"]
     responses = dataset[args.response_column] if scoring else None
     digests = [row_digest(p, responses[i]) if scoring else row_digest(p) for i, p in enumerate(prompts)]
-    done = {} if args.overwrite else load_finished_rows(args.output_file)
-    by_key = {k: i for i, k in enumerate(keys)}
-    for key, row in done.items():
-        i = by_key.get(key)
-        if i is not None and row.get("digest") != digests[i]:
-            raise ValueError(
-                f"{args.output_file} holds a row with key {key} for another prompt than row {i} of this dataset: it "
-                "was written for a different dataset or --id_column. Use another --output_file, or --overwrite."
-            )
-    pending = [i for i, k in enumerate(keys) if k not in done]
-    already = len(keys) - len(pending)
+    backend = None if scoring else resolve_backend(args.backend)
+    settings = run_settings(
+        args, backend=backend, model=model, model_path=model_path, model_revision=model_revision, reward_fn=reward_fn
+    )
+    run_id, done, resuming = _open_output(args, settings, digests, keys)
+
+    # Fixed chunks of consecutive rows: a chunk with a missing row is redone whole (same rows, same seed) and only its
+    # missing rows are written, so a resumed file equals an uninterrupted run's.
+    chunks = [range(s, min(s + args.batch_size, len(keys))) for s in range(0, len(keys), args.batch_size)]
+    chunks = [c for c in chunks if any(keys[i] not in done for i in c)]
+    already = sum(k in done for k in keys)
     if already:
         logger.info("%s: %d of %d prompts already done; resuming.", args.output_file, already, len(keys))
 
     generator, token_ids = None, {}
-    if not scoring and pending:
+    if not scoring and chunks:
         from trl import is_conversational
 
-        torch.manual_seed(args.seed)
-        chat = args.use_chat_template or is_conversational({"prompt": prompts[pending[0]]})
-        generator = _Generator(args, model, tokenizer, model_path, chat)
-        ids = _prompt_token_ids([prompts[i] for i in pending], tokenizer, args.use_chat_template, args.progress)
-        token_ids = dict(zip(pending, ids))
+        chat = args.use_chat_template or is_conversational({"prompt": prompts[0]})
+        generator = _Generator(args, model, tokenizer, model_path, chat, backend)
+        needed = [i for c in chunks for i in c]
+        ids = _prompt_token_ids([prompts[i] for i in needed], tokenizer, args.use_chat_template, args.progress)
+        token_ids = dict(zip(needed, ids))
 
     from tqdm.auto import tqdm
 
     written = 0
     bar = tqdm(total=len(keys), initial=already, unit="prompt", desc=args.mode, disable=not args.progress)
-    with JsonlWriter(args.output_file, overwrite=args.overwrite) as writer, bar:
-        for start in range(0, len(pending), args.batch_size):
-            index = pending[start : start + args.batch_size]
-            chunk = [{"key": keys[i], "index": i, "digest": digests[i], "prompt": prompts[i]} for i in index]
-            if scoring:
-                scores = reward_fn([prompts[i] for i in index], [responses[i] for i in index])
-                rows = [
-                    {**row, "response": responses[i], "score": float(s)} for row, i, s in zip(chunk, index, scores)
-                ]
-            else:
-                rows = _generation_rows(chunk, [token_ids[i] for i in index], generator, reward_fn)
+    with JsonlWriter(args.output_file, overwrite=not resuming) as writer, bar:
+        for index in chunks:
+            chunk = [
+                {"key": keys[i], "index": i, "digest": digests[i], "run_id": run_id, "prompt": prompts[i]}
+                for i in index
+            ]
+            with _seeded(derived_seed(args.seed, index[0]), model):
+                if scoring:
+                    scores = reward_fn([prompts[i] for i in index], [responses[i] for i in index])
+                    rows = [
+                        {**row, "response": responses[i], "score": float(s)} for row, i, s in zip(chunk, index, scores)
+                    ]
+                else:
+                    rows = _generation_rows(chunk, [token_ids[i] for i in index], generator, reward_fn)
+            rows = [row for row in rows if row["key"] not in done]
             writer.write(rows)
             written += len(rows)
             bar.update(len(rows))

@@ -142,19 +142,28 @@ class VLLMGenerator:  # pragma: no cover - needs vLLM and a GPU
         self.model_path, self.seed, self.dtype = model_path, seed, dtype
         self._llm = None
 
-    def __call__(self, prompt_ids: Sequence[Sequence[int]], settings, n: int = 1) -> list[list[str]]:
+    def __call__(
+        self, prompt_ids: Sequence[Sequence[int]], settings, n: int = 1, seeds: Sequence[int] | None = None
+    ) -> list[list[str]]:
+        """``n`` responses per prompt. ``seeds``: one seed per prompt (vLLM's per-request seed), so that a prompt's
+        samples do not depend on the other prompts of the call."""
         from vllm import LLM, SamplingParams
 
         if self._llm is None:
             self._llm = LLM(model=self.model_path, seed=self.seed, dtype=self.dtype)
-        params = SamplingParams(
-            n=n,
-            temperature=settings.temperature if settings.do_sample else 0.0,
-            top_p=settings.top_p,
-            top_k=settings.top_k or -1,
-            max_tokens=settings.max_new_tokens,
-            stop_token_ids=list(settings.stop_token_ids or ()),
-            skip_special_tokens=True,
-        )
-        outputs = self._llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids], params)
+
+        def params(seed: int | None):
+            return SamplingParams(
+                n=n,
+                temperature=settings.temperature if settings.do_sample else 0.0,
+                top_p=settings.top_p,
+                top_k=settings.top_k or -1,
+                max_tokens=settings.max_new_tokens,
+                stop_token_ids=list(settings.stop_token_ids or ()),
+                skip_special_tokens=True,
+                seed=seed,
+            )
+
+        per_prompt = params(None) if seeds is None else [params(int(s)) for s in seeds]
+        outputs = self._llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids], per_prompt)
         return [[c.text for c in out.outputs] for out in outputs]

@@ -17,14 +17,17 @@ All rewards come back on the CPU; move them to the trainer's device.
 from __future__ import annotations
 
 import abc
+import base64
 import json
 import logging
 import os
+import re
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import torch
 from torch import nn
@@ -44,6 +47,7 @@ __all__ = [
     "as_reward_function",
     "chat_template_markers",
     "decode_token_ids",
+    "redact_url",
 ]
 
 
@@ -409,6 +413,47 @@ class TwoTokenizerReward(RewardFunction):
         return self([q for q, _ in pairs], [a for _, a in pairs])
 
 
+# ------------------------------------------------------------------------------------------ URLs safe to log
+_REDACTED = "***"
+# Query parameters whose value is a credential (matched anywhere in the name: "api_key", "X-Amz-Signature").
+_SECRET_PARAM = re.compile(r"key|token|secret|passw|pwd|auth|signature|sig$|credential|session", re.IGNORECASE)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its credentials replaced by ``***``: the ``user:password@`` part, and the value of every query
+    parameter whose name looks like a credential (``key``, ``token``, ``secret``, ``password``, ``auth``, ``sig``,
+    ...). Anything that does not parse as a URL is redacted as a whole when it contains an ``@``.
+
+    >>> redact_url("http://alice:s3cret@rm.internal:5000/get_reward?api_key=abc&x=1")
+    'http://***@rm.internal:5000/get_reward?api_key=***&x=1'
+    """
+    try:
+        parts = urlsplit(str(url))
+        netloc = parts.netloc
+        if "@" in netloc:
+            netloc = f"{_REDACTED}@{netloc.rsplit('@', 1)[1]}"
+        query = parts.query
+        if query:
+            pairs = parse_qsl(query, keep_blank_values=True)
+            if any(_SECRET_PARAM.search(name) for name, _ in pairs):
+                query = urlencode([(n, _REDACTED if _SECRET_PARAM.search(n) else v) for n, v in pairs], safe="*")
+        return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    except ValueError:  # e.g. an invalid IPv6 literal: show nothing that could hold a secret
+        return _REDACTED if "@" in str(url) else str(url)
+
+
+def _split_url_credentials(url: str) -> tuple[str, str | None]:
+    """``(url without "user:password@", "Basic ..." Authorization header or None)``: ``urllib`` does not send the
+    credentials of a ``http://user:password@host/`` URL (it tries to resolve ``user:password@host`` as a host)."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url, None
+    userinfo, hostport = parts.netloc.rsplit("@", 1)
+    user, _, password = userinfo.partition(":")
+    token = base64.b64encode(f"{unquote(user)}:{unquote(password)}".encode()).decode("ascii")
+    return urlunsplit((parts.scheme, hostport, parts.path, parts.query, parts.fragment)), f"Basic {token}"
+
+
 class RemoteRewardError(RuntimeError):
     """A reward server answered with an error, a malformed reply, or could not be reached after the retries."""
 
@@ -423,6 +468,10 @@ class RemoteReward(RewardFunction):
     client refuses *every* URL when ``HF_HUB_OFFLINE=1`` (checked with huggingface_hub 1.33), which is exactly how
     offline training with a local reward server runs (``tests/test_models_reward_interface.py`` runs offline).
 
+    Credentials never reach a log or an error message: the URL is shown with ``user:password@`` and credential-like
+    query parameters replaced by ``***`` (:func:`redact_url`). A ``user:password@`` in the URL is sent
+    as an HTTP Basic ``Authorization`` header.
+
     Args:
         url: endpoint URL.
         timeout: seconds per request.
@@ -430,6 +479,8 @@ class RemoteReward(RewardFunction):
         batch_size: completions per request (``None``: all in one request).
         backoff: first retry delay in seconds.
         headers: extra HTTP headers (e.g. an ``Authorization`` header).
+        api_key: sent as ``Authorization: Bearer <api_key>`` (the key of ``recipes/serve_rm.py``); default: the
+            ``TRL_EXT_RM_API_KEY`` environment variable, if set.
     """
 
     name = "RemoteReward"
@@ -442,11 +493,18 @@ class RemoteReward(RewardFunction):
         batch_size: int | None = None,
         backoff: float = 0.5,
         headers: dict[str, str] | None = None,
+        api_key: str | None = None,
     ):
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"RemoteReward needs an http(s) URL, got {url!r}.")
-        self.url, self.timeout, self.retries = url, float(timeout), int(retries)
+            raise ValueError(f"RemoteReward needs an http(s) URL, got {redact_url(url)!r}.")
+        self.shown_url = redact_url(url)  # what logs and errors show
+        self.url, basic_auth = _split_url_credentials(url)
+        self.timeout, self.retries = float(timeout), int(retries)
         self.batch_size, self.backoff, self.headers = batch_size, float(backoff), dict(headers or {})
+        api_key = api_key if api_key is not None else os.environ.get("TRL_EXT_RM_API_KEY")
+        auth = f"Bearer {api_key}" if api_key else basic_auth
+        if auth and not any(k.lower() == "authorization" for k in self.headers):
+            self.headers["Authorization"] = auth
 
     def _post(self, payload: dict) -> dict:
         data = json.dumps(payload).encode("utf-8")
@@ -463,21 +521,23 @@ class RemoteReward(RewardFunction):
                     return json.loads(body)
                 except json.JSONDecodeError:
                     raise RemoteRewardError(
-                        f"Reward server {self.url} sent a reply that is not JSON: {body[:200]!r}"
+                        f"Reward server {self.shown_url} sent a reply that is not JSON: {body[:200]!r}"
                     ) from None
             except urllib.error.HTTPError as err:
                 message = err.read().decode("utf-8", "replace")[:500]
                 if err.code != 429 and err.code < 500:
                     raise RemoteRewardError(
-                        f"Reward server {self.url} rejected the request with HTTP {err.code}: {message}"
+                        f"Reward server {self.shown_url} rejected the request with HTTP {err.code}: {message}"
                     ) from None
                 last_error = f"HTTP {err.code}: {message}"
             except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
                 reason = getattr(err, "reason", err)
                 timed_out = isinstance(reason, TimeoutError)
                 last_error = f"timed out after {self.timeout}s (raise timeout=)" if timed_out else f"{reason}"
-            logger.warning("Reward server %s: attempt %d failed (%s).", self.url, attempt + 1, last_error)
-        raise RemoteRewardError(f"Reward server {self.url} failed after {self.retries + 1} attempts: {last_error}")
+            logger.warning("Reward server %s: attempt %d failed (%s).", self.shown_url, attempt + 1, last_error)
+        raise RemoteRewardError(
+            f"Reward server {self.shown_url} failed after {self.retries + 1} attempts: {last_error}"
+        )
 
     def compute(self, prompts: list, completions: list, **kwargs) -> torch.Tensor:
         size = self.batch_size or len(prompts)
@@ -488,9 +548,9 @@ class RemoteReward(RewardFunction):
             rewards = reply.get("rewards", reply.get("scores")) if isinstance(reply, dict) else None
             if rewards is None:
                 raise RemoteRewardError(
-                    f"Reward server {self.url} replied without a 'rewards' list: {str(reply)[:200]}"
+                    f"Reward server {self.shown_url} replied without a 'rewards' list: {str(reply)[:200]}"
                 )
-            out.append(_to_reward_tensor(rewards, len(p), f"Reward server {self.url}"))
+            out.append(_to_reward_tensor(rewards, len(p), f"Reward server {self.shown_url}"))
         return torch.cat(out)
 
 
