@@ -5,7 +5,7 @@
         --negative_data_path outputs/harmlessness-toy/negdata.jsonl --extra_loss negative_dpo
     python recipes/dpo.py --help                                                           # every option
 
-Options come from three dataclasses: `DPOScriptArguments` (TRL's dataset arguments plus the negative data),
+Options come from three dataclasses: `DPOScriptArguments` (the shared dataset arguments plus the negative data),
 trl_ext's `DPOConfig` (TRL's DPO options plus `extra_loss`, `extra_loss_coef`, ...) and TRL's `ModelConfig` (policy
 loading, LoRA, 4/8-bit). Values in the `--config` YAML replace the defaults and command-line flags replace both.
 
@@ -15,7 +15,9 @@ loading, LoRA, 4/8-bit). Values in the `--config` YAML replace the defaults and 
   `rejected`), or `--negative_data_path`: the bad samples a harmlessness run wrote (its `negdata_path`) as the
   rejected completions; the chosen ones come from `--chosen_column` (a column of those rows), from samples of the
   initial policy (`--sample_chosen`), or nowhere (negative-only DPO: set `--extra_loss negative_dpo` or
-  `unlikelihood`).
+  `unlikelihood`). `--dataset_mixture`/`--dataset_probs`, `--max_samples`, `--input_template` and
+  `--apply_chat_template` as in every recipe (docs/data.md); with `--negative_data_path` only `--max_samples` applies
+  (its prompts are kept as the harmlessness run sampled them).
 - Checkpoints: `--save_strategy steps --save_steps N`; resume with `--resume_from_checkpoint <folder>` (or `last`).
   The final model is saved to `--output_dir` and pushed with `--push_to_hub`.
 """
@@ -24,16 +26,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trl import ModelConfig, ScriptArguments
+from trl import ModelConfig
 
 from trl_ext import cli
+from trl_ext.data import select_first
 from trl_ext.trainers.preference.data import pairs_from_negative_data
 from trl_ext.trainers.preference.dpo import DPOConfig, DPOTrainer
 
 
 @dataclass
-class DPOScriptArguments(ScriptArguments):
-    """TRL's dataset arguments plus the reference model and the negative data."""
+class DPOScriptArguments(cli.DatasetScriptArguments):
+    """The shared dataset arguments plus the reference model and the negative data."""
 
     ref_model_name_or_path: str | None = field(
         default=None, metadata={"help": "Reference model checkpoint (default: the policy's own checkpoint)."}
@@ -62,7 +65,8 @@ def load_datasets(script_args: DPOScriptArguments, training_args: DPOConfig, pol
     if script_args.negative_data_path is None:
         if script_args.chosen_column or script_args.sample_chosen:
             raise ValueError("--chosen_column and --sample_chosen apply to --negative_data_path; set it as well.")
-        return cli.train_and_eval_splits(script_args, training_args)
+        return cli.train_and_eval_splits(script_args, training_args, tokenizer)
+    cli.check_negative_data_options(script_args)
     train_dataset = pairs_from_negative_data(
         script_args.negative_data_path,
         chosen_column=script_args.chosen_column,
@@ -71,7 +75,7 @@ def load_datasets(script_args: DPOScriptArguments, training_args: DPOConfig, pol
         max_new_tokens=script_args.chosen_max_new_tokens,
         seed=training_args.seed,
     )
-    return train_dataset, None
+    return select_first(train_dataset, script_args.max_samples), None
 
 
 def main(script_args: DPOScriptArguments, training_args: DPOConfig, model_args: ModelConfig) -> None:

@@ -17,8 +17,11 @@ in the `--config` YAML replace the defaults and command-line flags replace both.
   tokenizer scores the (question, answer) pair of the decoded texts (`--reward_input pair`, truncated to
   `--reward_max_length` tokens, as the paper's DeBERTa runs) or the decoded prompt+response (`--reward_input text`).
 - Dataset: `--dataset_name` is a Hub id, a local folder or a local .json/.jsonl/.csv/.parquet file whose prompts are
-  in a `prompt` column (or `--dataset_prompt_column`); `--apply_chat_template` wraps plain-text prompts as one user
-  turn of the tokenizer's chat template.
+  in a `prompt` column (or `--dataset_prompt_column`, renamed to `prompt` before the templates);
+  `--apply_chat_template` wraps plain-text prompts as one user turn of the tokenizer's chat template.
+  `--dataset_mixture`/`--dataset_probs`, `--max_samples` and `--input_template` as in every recipe (docs/data.md).
+- Pretraining loss (PPO-ptx): `--ptx_coef` > 0 with `--pretrain_data` (a Hub id, folder or data file; texts in
+  `--pretrain_text_column` of `--pretrain_split`), `--ptx_batch_size` texts per micro-step, logged as `loss/ptx`.
 - Checkpoints: `--save_strategy steps --save_steps N`; resume with `--resume_from_checkpoint <folder>` (or `last`).
 """
 
@@ -54,19 +57,11 @@ class HarmlessnessScriptArguments(cli.RewardScriptArguments):
         default=None, metadata={"help": "Checkpoint the proposal starts from (default: a copy of the policy)."}
     )
     dataset_prompt_column: str = field(
-        default="prompt", metadata={"help": "Column of the dataset that holds the prompts (renamed to 'prompt')."}
+        default="prompt",
+        metadata={
+            "help": "Column of the dataset that holds the prompts (renamed to 'prompt' before --input_template)."
+        },
     )
-    apply_chat_template: bool = field(
-        default=False,
-        metadata={"help": "Wrap plain-text prompts as one user turn of the tokenizer's chat template."},
-    )
-
-
-def as_chat(dataset):
-    """Plain-text ``prompt`` rows → one-message user conversations (conversational rows are kept)."""
-    if not len(dataset) or not isinstance(dataset[0]["prompt"], str):
-        return dataset
-    return dataset.map(lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]})
 
 
 def build_reward(script_args: HarmlessnessScriptArguments, tokenizer, dtype=None):
@@ -79,15 +74,12 @@ def build_reward(script_args: HarmlessnessScriptArguments, tokenizer, dtype=None
     )
 
 
-def prompt_datasets(script_args: HarmlessnessScriptArguments, training_args: HarmlessnessConfig):
-    """``(train, eval)`` prompts with the prompt column renamed to ``prompt`` (and wrapped as chats if asked)."""
-    datasets = cli.train_and_eval_splits(script_args, training_args)
-    column = script_args.dataset_prompt_column
-    if column != "prompt":
-        datasets = tuple(d.rename_column(column, "prompt") if d is not None else None for d in datasets)
-    if script_args.apply_chat_template:
-        datasets = tuple(as_chat(d) if d is not None else None for d in datasets)
-    return datasets
+def prompt_datasets(script_args: HarmlessnessScriptArguments, training_args: HarmlessnessConfig, tokenizer=None):
+    """``(train, eval)`` prompts with the prompt column renamed to ``prompt`` (templated and wrapped as chats if
+    asked; ``tokenizer`` is needed for ``--apply_chat_template``)."""
+    return cli.train_and_eval_splits(
+        script_args, training_args, tokenizer, prompt_column=script_args.dataset_prompt_column
+    )
 
 
 def main(script_args: HarmlessnessScriptArguments, training_args: HarmlessnessConfig, model_args: ModelConfig) -> None:
@@ -103,7 +95,7 @@ def main(script_args: HarmlessnessScriptArguments, training_args: HarmlessnessCo
         proposal_path = script_args.proposal_model_path or policy_path
         proposal = load_causal_lm(proposal_path, **cli.model_load_kwargs(model_args))
     reward = build_reward(script_args, tokenizer, dtype=model_args.dtype)
-    train_dataset, eval_dataset = prompt_datasets(script_args, training_args)
+    train_dataset, eval_dataset = prompt_datasets(script_args, training_args, tokenizer)
 
     trainer = HarmlessnessTrainer(
         args=training_args,
@@ -115,6 +107,7 @@ def main(script_args: HarmlessnessScriptArguments, training_args: HarmlessnessCo
         ref_model=ref_policy,
         eval_dataset=eval_dataset,
         peft_config=peft_config,
+        pretrain_dataset=cli.load_pretrain_dataset(training_args),  # --pretrain_data: the ptx loss's texts
     )
     cli.train_and_save(trainer, training_args)  # policy, proposal/, tokenizer; pushes with --push_to_hub
     trainer.accelerator.print(

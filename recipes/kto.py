@@ -5,7 +5,7 @@
         --negative_data_path outputs/harmlessness-toy/negdata.jsonl --extra_loss unlikelihood
     python recipes/kto.py --help                                                           # every option
 
-Options come from three dataclasses: `KTOScriptArguments` (TRL's dataset arguments plus the negative data),
+Options come from three dataclasses: `KTOScriptArguments` (the shared dataset arguments plus the negative data),
 trl_ext's `KTOConfig` (TRL's KTO options plus `extra_loss`, `extra_loss_coef`, ...) and TRL's `ModelConfig` (policy
 loading, LoRA, 4/8-bit). Values in the `--config` YAML replace the defaults and command-line flags replace both.
 
@@ -14,7 +14,9 @@ loading, LoRA, 4/8-bit). Values in the `--config` YAML replace the defaults and 
 - Data: `--dataset_name` (a Hub id, a local folder or a .json/.jsonl/.csv/.parquet file with `prompt`,
   `completion`, `label`; paired `chosen`/`rejected` data is unpaired by TRL), or `--negative_data_path`: the bad
   samples of a harmlessness run as undesirable rows, plus the desirable rows of `--desirable_data_path` (a data file
-  with `prompt` and `completion`) if given.
+  with `prompt` and `completion`) if given. `--dataset_mixture`/`--dataset_probs`, `--max_samples`, `--input_template`
+  and `--apply_chat_template` as in every recipe (docs/data.md); with `--negative_data_path` only `--max_samples`
+  applies.
 - Checkpoints: `--save_strategy steps --save_steps N`; resume with `--resume_from_checkpoint <folder>` (or `last`).
   The final model is saved to `--output_dir` and pushed with `--push_to_hub`.
 """
@@ -26,13 +28,14 @@ from dataclasses import dataclass, field
 from trl import ModelConfig, ScriptArguments
 
 from trl_ext import cli
+from trl_ext.data import select_first
 from trl_ext.trainers.preference.data import unpaired_from_negative_data
 from trl_ext.trainers.preference.kto import KTOConfig, KTOTrainer
 
 
 @dataclass
-class KTOScriptArguments(ScriptArguments):
-    """TRL's dataset arguments plus the reference model and the negative data."""
+class KTOScriptArguments(cli.DatasetScriptArguments):
+    """The shared dataset arguments plus the reference model and the negative data."""
 
     ref_model_name_or_path: str | None = field(
         default=None, metadata={"help": "Reference model checkpoint (default: the policy's own checkpoint)."}
@@ -58,12 +61,13 @@ def load_datasets(script_args: KTOScriptArguments, training_args: KTOConfig, tok
     if script_args.negative_data_path is None:
         if script_args.desirable_data_path is not None:
             raise ValueError("--desirable_data_path applies to --negative_data_path; set it as well.")
-        return cli.train_and_eval_splits(script_args, training_args)
+        return cli.train_and_eval_splits(script_args, training_args, tokenizer)
+    cli.check_negative_data_options(script_args)
     desirable = None
     if script_args.desirable_data_path is not None:
         desirable = cli.load_prompts(ScriptArguments(dataset_name=script_args.desirable_data_path))["train"]
     train_dataset = unpaired_from_negative_data(script_args.negative_data_path, desirable, tokenizer=tokenizer)
-    return train_dataset, None
+    return select_first(train_dataset, script_args.max_samples), None
 
 
 def main(script_args: KTOScriptArguments, training_args: KTOConfig, model_args: ModelConfig) -> None:

@@ -6,9 +6,9 @@
         --dataset_name trl-lib/tldr --output_dir outputs/ppo --bf16 true --dtype bfloat16
     python recipes/ppo.py --help                                                  # every option
 
-Options come from three dataclasses: TRL's `ScriptArguments` (dataset), trl_ext's `PPOConfig` (training, including
-`reward_model_path` and `sft_model_path`) and TRL's `ModelConfig` (policy loading, LoRA, 4/8-bit). Values in the
-`--config` YAML replace the defaults and command-line flags replace both.
+Options come from three dataclasses: `PPOScriptArguments` (the shared dataset arguments plus the critic), trl_ext's
+`PPOConfig` (training, including `reward_model_path` and `sft_model_path`) and TRL's `ModelConfig` (policy loading,
+LoRA, 4/8-bit). Values in the `--config` YAML replace the defaults and command-line flags replace both.
 
 - Policy and tokenizer: `--model_name_or_path`, else `--sft_model_path`. Weights load in `--dtype` (float32 by
   default, which is also what a CPU wants: bf16 there is many times slower).
@@ -18,7 +18,10 @@ Options come from three dataclasses: TRL's `ScriptArguments` (dataset), trl_ext'
 - Reference: a frozen copy of the policy, or the policy with its adapters disabled under `--use_peft`.
 - Dataset: `--dataset_name` is a Hub id, a local folder or a local .json/.jsonl/.csv/.parquet file with a `prompt`
   column (plain text or chat messages); `--dataset_train_split` is trained on, `--dataset_test_split` is used for
-  evaluation when `--eval_strategy` is not "no".
+  evaluation when `--eval_strategy` is not "no". `--dataset_mixture`/`--dataset_probs`, `--max_samples`,
+  `--input_template` and `--apply_chat_template` as in every recipe (docs/data.md).
+- Pretraining loss (PPO-ptx): `--ptx_coef` > 0 with `--pretrain_data` (a Hub id, folder or data file; texts in
+  `--pretrain_text_column` of `--pretrain_split`), `--ptx_batch_size` texts per micro-step, logged as `loss/ptx`.
 - Checkpoints: `--save_strategy steps --save_steps N`; resume with `--resume_from_checkpoint <folder>` (or `last`
   for the newest complete checkpoint in `--output_dir`). `--push_to_hub` pushes the final model.
 """
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trl import ModelConfig, ScriptArguments, get_peft_config
+from trl import ModelConfig, get_peft_config
 
 from trl_ext import cli
 from trl_ext.models import load_critic, load_reward_model
@@ -37,8 +40,8 @@ load_prompts = cli.load_prompts  # kept as part of the recipe's interface
 
 
 @dataclass
-class PPOScriptArguments(ScriptArguments):
-    """TRL's dataset arguments plus where the critic starts from."""
+class PPOScriptArguments(cli.DatasetScriptArguments):
+    """The shared dataset arguments plus where the critic starts from."""
 
     value_model_path: str | None = field(
         default=None,
@@ -82,7 +85,7 @@ def main(
     if not training_args.shared_actor_critic:
         critic_path = script_args.value_model_path or training_args.reward_model_path
         value_model = load_critic(critic_path, dtype=model_args.dtype)
-    train_dataset, eval_dataset = cli.train_and_eval_splits(script_args, training_args)
+    train_dataset, eval_dataset = cli.train_and_eval_splits(script_args, training_args, tokenizer)
 
     trainer = PPOTrainer(
         args=training_args,
@@ -94,6 +97,7 @@ def main(
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         peft_config=peft_config,
+        pretrain_dataset=cli.load_pretrain_dataset(training_args),  # --pretrain_data: the ptx loss's texts
     )
     cli.train_and_save(trainer, training_args)  # policy, critic (value_model/), tokenizer; pushes with --push_to_hub
     trainer.accelerator.print(

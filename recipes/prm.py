@@ -8,9 +8,9 @@ file.
         --placeholder_token "<step>"                                                   # causal LM scoring "+"/"-"
     python recipes/prm.py --help                                                      # every option
 
-Options come from three dataclasses: TRL's `ScriptArguments` (dataset), trl_ext's `PRMConfig` (training and step
-formatting) and TRL's `ModelConfig` (model loading, LoRA, 4/8-bit). Values in the `--config` YAML replace the
-defaults and command-line flags replace both.
+Options come from three dataclasses: `cli.DatasetScriptArguments` (TRL's dataset arguments plus mixtures and
+templates), trl_ext's `PRMConfig` (training and step formatting) and TRL's `ModelConfig` (model loading, LoRA,
+4/8-bit). Values in the `--config` YAML replace the defaults and command-line flags replace both.
 
 - Model: `--model_name_or_path`, loaded as a token classifier with 2 labels (class 1 = correct step; a causal-LM
   checkpoint gets a fresh classification head), or kept a causal LM with `--reward_tokens GOOD BAD` (e.g. `+ -`).
@@ -18,13 +18,14 @@ defaults and command-line flags replace both.
   label sits on the placeholder, else on the separator's last token. A placeholder that is not a single token of the
   tokenizer is added to it as a special token (and the embeddings are resized).
 - Dataset: `--dataset_name` (Hub id, folder or local .json/.jsonl/.csv/.parquet file) with `prompt`, `completions`
-  (list of steps) and `labels` (one bool per step). Step accuracy is logged as `accuracy` / `eval_accuracy`.
+  (list of steps) and `labels` (one bool per step); `--dataset_mixture`/`--dataset_probs`, `--max_samples` and
+  `--input_template` as in every recipe (docs/data.md). Step accuracy is logged as `accuracy` / `eval_accuracy`.
 - LoRA: `--use_peft`; the adapter task type follows the model (TOKEN_CLS or CAUSAL_LM).
 """
 
 from __future__ import annotations
 
-from trl import ModelConfig, ScriptArguments, get_peft_config
+from trl import ModelConfig, get_peft_config
 
 from trl_ext import cli
 from trl_ext.models.quantization import load_model
@@ -41,7 +42,7 @@ def add_placeholder_token(tokenizer, model, token: str | None) -> bool:
     return True
 
 
-def main(script_args: ScriptArguments, training_args: PRMConfig, model_args: ModelConfig) -> None:
+def main(script_args: cli.DatasetScriptArguments, training_args: PRMConfig, model_args: ModelConfig) -> None:
     """Load the model, tokenizer and step-labelled data, train, save (pushed if asked)."""
     from transformers import AutoTokenizer
 
@@ -60,7 +61,7 @@ def main(script_args: ScriptArguments, training_args: PRMConfig, model_args: Mod
     peft_config = get_peft_config(model_args)
     if peft_config is not None:
         peft_config.task_type = "CAUSAL_LM" if lm_mode else "TOKEN_CLS"
-    train_dataset, eval_dataset = cli.train_and_eval_splits(script_args, training_args)
+    train_dataset, eval_dataset = cli.train_and_eval_splits(script_args, training_args, tokenizer)
     trainer = PRMTrainer(
         model=model,
         args=training_args,
@@ -79,7 +80,7 @@ def main(script_args: ScriptArguments, training_args: PRMConfig, model_args: Mod
 def make_parser():
     """The recipe's argument parser (`--config file.yaml` supported)."""
     return cli.make_parser(
-        (ScriptArguments, PRMConfig, ModelConfig), "Train a process reward model (trl_ext PRMTrainer)."
+        (cli.DatasetScriptArguments, PRMConfig, ModelConfig), "Train a process reward model (trl_ext PRMTrainer)."
     )
 
 

@@ -8,9 +8,9 @@ YAML file.
         --dataset_name my-prompts --target_dist_beta -10 --num_samples_per_prompt 5 --output_dir outputs/proposal
     python recipes/proposal.py --help                                             # every option
 
-Options come from three dataclasses: TRL's `ScriptArguments` (dataset) plus the reward and reference options below,
-trl_ext's `ProposalConfig` (training) and TRL's `ModelConfig` (loading of q, LoRA, 4/8-bit). Values in the
-`--config` YAML replace the defaults and command-line flags replace both.
+Options come from three dataclasses: the shared dataset arguments (`cli.DatasetScriptArguments`) plus the reward and
+reference options below, trl_ext's `ProposalConfig` (training) and TRL's `ModelConfig` (loading of q, LoRA, 4/8-bit).
+Values in the `--config` YAML replace the defaults and command-line flags replace both.
 
 - q and its tokenizer: `--model_name_or_path`. A `modulation_*` `--parameterization` wraps it in a modulation of that
   kind (the loaded weights become the frozen base, which is then also p_ref).
@@ -20,7 +20,8 @@ trl_ext's `ProposalConfig` (training) and TRL's `ModelConfig` (loading of q, LoR
   scored on the decoded text) or `--lexical_words` (a lexical reward: `--lexical_present_reward` (-1) when a
   response contains one of the words, else `--lexical_absent_reward` (0)).
 - Dataset: `--dataset_name` is a Hub id, a local folder or a local .json/.jsonl/.csv/.parquet file with a `prompt`
-  column (plain text or chat messages) or an `input_ids` column.
+  column (plain text or chat messages) or an `input_ids` column; `--dataset_mixture`/`--dataset_probs`,
+  `--max_samples`, `--input_template` and `--apply_chat_template` as in every recipe (docs/data.md).
 - Checkpoints: `--save_strategy steps --save_steps N`; resume with `--resume_from_checkpoint <folder>` (or `last`).
 """
 
@@ -70,7 +71,7 @@ def main(script_args: ProposalScriptArguments, training_args: ProposalConfig, mo
     ref_model = None
     if script_args.ref_model_path is not None or not (modulation or peft_config is not None):
         ref_model = load_causal_lm(script_args.ref_model_path or path, **load_kwargs)
-    train_dataset, eval_dataset = cli.train_and_eval_splits(script_args, training_args)
+    train_dataset, eval_dataset = cli.train_and_eval_splits(script_args, training_args, tokenizer)
 
     trainer = ProposalTrainer(
         args=training_args,

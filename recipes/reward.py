@@ -6,7 +6,8 @@
         --output_dir outputs/reward --bf16 true --dtype bfloat16
     python recipes/reward.py --help                                                  # every option
 
-Options come from three dataclasses: TRL's `ScriptArguments` (dataset), TRL's `RewardConfig` (training) and TRL's
+Options come from three dataclasses: `cli.DatasetScriptArguments` (TRL's dataset arguments plus mixtures and
+input templates), TRL's `RewardConfig` (training) and TRL's
 `ModelConfig` (model loading, LoRA, 4/8-bit). Values in the `--config` YAML replace the defaults and command-line flags
 replace both.
 
@@ -14,7 +15,9 @@ replace both.
   causal-LM checkpoint gets a fresh score head) or a BERT-style encoder. An encoder's tokenizer usually has no eos
   token: it is then set to the sep token (and a missing pad token to sep/eos), and the recipe says so in the log.
 - Dataset: `--dataset_name` (Hub id, folder or local .json/.jsonl/.csv/.parquet file) with `chosen` / `rejected`
-  columns (and optionally `prompt`, prepended to both), plain text or chat messages.
+  columns (and optionally `prompt`, prepended to both), plain text or chat messages; `--dataset_mixture`/
+  `--dataset_probs`, `--max_samples`, `--input_template` and `--apply_chat_template` as in every recipe
+  (docs/data.md).
 - LoRA: `--use_peft`; the adapter task type is forced to SEQ_CLS so that the score head is trained and saved.
 - The saved folder loads with `trl_ext.models.load_reward_model(output_dir)` (and serves with recipes/serve_rm.py).
 """
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import logging
 
-from trl import ModelConfig, RewardConfig, RewardTrainer, ScriptArguments, get_peft_config
+from trl import ModelConfig, RewardConfig, RewardTrainer, get_peft_config
 
 from trl_ext import cli
 from trl_ext.models.quantization import load_sequence_classifier
@@ -57,7 +60,7 @@ def fill_special_tokens(tokenizer, model) -> list[str]:
     return changes
 
 
-def main(script_args: ScriptArguments, training_args: RewardConfig, model_args: ModelConfig) -> None:
+def main(script_args: cli.DatasetScriptArguments, training_args: RewardConfig, model_args: ModelConfig) -> None:
     """Load the classifier, tokenizer and preference pairs, train, save (pushed if asked)."""
     from transformers import AutoTokenizer
 
@@ -72,7 +75,7 @@ def main(script_args: ScriptArguments, training_args: RewardConfig, model_args: 
     if peft_config is not None and peft_config.task_type != "SEQ_CLS":
         logger.warning(f"Reward recipe: LoRA task type {peft_config.task_type} -> SEQ_CLS (trains the score head).")
         peft_config.task_type = "SEQ_CLS"
-    train_dataset, eval_dataset = cli.train_and_eval_splits(script_args, training_args)
+    train_dataset, eval_dataset = cli.train_and_eval_splits(script_args, training_args, tokenizer)
     trainer = RewardTrainer(
         model=model,
         args=training_args,
@@ -91,7 +94,8 @@ def main(script_args: ScriptArguments, training_args: RewardConfig, model_args: 
 def make_parser():
     """The recipe's argument parser (`--config file.yaml` supported)."""
     return cli.make_parser(
-        (ScriptArguments, RewardConfig, ModelConfig), "Train a reward model on preference pairs (trl.RewardTrainer)."
+        (cli.DatasetScriptArguments, RewardConfig, ModelConfig),
+        "Train a reward model on preference pairs (trl.RewardTrainer).",
     )
 
 

@@ -6,15 +6,21 @@
         --bf16 true --dtype bfloat16
     python recipes/sft.py --help                                                     # every option
 
-Options come from three dataclasses: TRL's `ScriptArguments` (dataset), TRL's `SFTConfig` (training) and TRL's
-`ModelConfig` (model loading, LoRA, 4/8-bit). Values in the `--config` YAML replace the defaults and command-line flags
-replace both.
+Options come from three dataclasses: `SFTScriptArguments` (the shared dataset arguments of every recipe plus
+`--csft_prompt`), TRL's `SFTConfig` (training) and TRL's `ModelConfig` (model loading, LoRA, 4/8-bit). Values in the
+`--config` YAML replace the defaults and command-line flags replace both.
 
 - Model and tokenizer: `--model_name_or_path` (a causal LM; weights load in `--dtype`, float32 by default).
 - Dataset: `--dataset_name` is a Hub id, a local folder or a local .json/.jsonl/.csv/.parquet file in one of TRL's SFT
   formats: `text` (language modelling), `prompt` + `completion` (the loss is on the completion only, by default) or
   `messages` (chat; the tokenizer needs a chat template). `--dataset_test_split` is evaluated when `--eval_strategy`
-  is not "no".
+  is not "no". `--dataset_mixture a.jsonl b.jsonl --dataset_probs 0.8 0.2` samples several datasets,
+  `--max_samples N` keeps the first N training rows, `--input_template "User: {}\\nAssistant: "` formats the prompts,
+  `--apply_chat_template` turns plain-text prompt/completion rows into chats (docs/data.md).
+- Conditional SFT: `--csft_prompt "<good> "` puts that string in front of every input (the prompt of prompt +
+  completion rows, the text of `text` rows, the first user message of `messages` rows; train and eval splits, after
+  the template) so that the model learns to condition on a reward class, as the research code's conditional SFT
+  (e.g. `"<rm_score>: 5.00 "`). Generate with the same prefix to ask for that class.
 - LoRA: `--use_peft` (with `--lora_r`, `--lora_alpha`, `--lora_target_modules`, ...).
 - Checkpoints: `--save_strategy steps --save_steps N`; resume with `--resume_from_checkpoint <folder>` (or `last`).
   `--push_to_hub` pushes the final model.
@@ -22,10 +28,27 @@ replace both.
 
 from __future__ import annotations
 
-from trl import ModelConfig, ScriptArguments, SFTConfig, SFTTrainer, get_peft_config
+from dataclasses import dataclass, field
+
+from trl import ModelConfig, SFTConfig, SFTTrainer, get_peft_config
 
 from trl_ext import cli
+from trl_ext.data import prefix_inputs
 from trl_ext.models import load_causal_lm
+
+
+@dataclass
+class SFTScriptArguments(cli.DatasetScriptArguments):
+    """The shared dataset arguments plus conditional SFT."""
+
+    csft_prompt: str | None = field(
+        default=None,
+        metadata={
+            "help": "Conditional SFT: a string put in front of every input (the prompt, the text, or the first user "
+            "message; after --input_template), e.g. '<rm_score>: 5.00 ' or '<good> ', so that the model learns to "
+            "condition on the reward class it names."
+        },
+    )
 
 
 def model_path(model_args: ModelConfig) -> str:
@@ -35,12 +58,20 @@ def model_path(model_args: ModelConfig) -> str:
     return model_args.model_name_or_path
 
 
-def main(script_args: ScriptArguments, training_args: SFTConfig, model_args: ModelConfig) -> None:
+def sft_datasets(script_args: SFTScriptArguments, training_args: SFTConfig, tokenizer):
+    """``(train_dataset, eval_dataset)`` of the shared dataset options, with the ``--csft_prompt`` prefix."""
+    datasets = cli.train_and_eval_splits(script_args, training_args, tokenizer)
+    if script_args.csft_prompt:
+        datasets = tuple(None if d is None else prefix_inputs(d, script_args.csft_prompt) for d in datasets)
+    return datasets
+
+
+def main(script_args: SFTScriptArguments, training_args: SFTConfig, model_args: ModelConfig) -> None:
     """Load the model, tokenizer and dataset, fine-tune, save the final model (pushed if asked)."""
     path = model_path(model_args)
     tokenizer = cli.load_tokenizer(path, model_args)
     model = load_causal_lm(path, **cli.model_load_kwargs(model_args))
-    train_dataset, eval_dataset = cli.train_and_eval_splits(script_args, training_args)
+    train_dataset, eval_dataset = sft_datasets(script_args, training_args, tokenizer)
     trainer = SFTTrainer(
         model=model,
         args=training_args,
@@ -58,7 +89,7 @@ def main(script_args: ScriptArguments, training_args: SFTConfig, model_args: Mod
 
 def make_parser():
     """The recipe's argument parser (`--config file.yaml` supported)."""
-    return cli.make_parser((ScriptArguments, SFTConfig, ModelConfig), "Supervised fine-tuning (trl.SFTTrainer).")
+    return cli.make_parser((SFTScriptArguments, SFTConfig, ModelConfig), "Supervised fine-tuning (trl.SFTTrainer).")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,10 @@ it parses its option dataclasses (:func:`make_parser`), loads the models and the
 calls :func:`train_and_save`. The loading steps that are the same in every recipe live here (in the package, so that
 a recipe imports them however it is launched):
 
-- :func:`load_prompts` / :func:`train_and_eval_splits`: ``--dataset_name`` as a Hub id, a saved folder or a single
-  local ``.json`` / ``.jsonl`` / ``.csv`` / ``.parquet`` file, split into the training prompts and (when evaluation
-  is on) the test split;
+- :class:`DatasetScriptArguments`, :func:`load_prompts` / :func:`train_and_eval_splits`: ``--dataset_name`` as a Hub
+  id, a saved folder or a single local ``.json`` / ``.jsonl`` / ``.csv`` / ``.parquet`` file (or ``--dataset_mixture``
+  of several, sampled with ``--dataset_probs``), split into the training rows and (when evaluation is on) the test
+  split, with ``--max_samples``, ``--input_template`` and ``--apply_chat_template`` applied (:mod:`trl_ext.data`);
 - :func:`model_load_kwargs`, :func:`load_tokenizer`, :func:`load_policy_and_reference`: TRL's `ModelConfig`
   (``--dtype``, ``--model_revision``, 4/8-bit, ``--use_peft``) applied to the causal LMs;
 - :class:`RewardScriptArguments` and :func:`lexical_reward`: ``--reward_model_path`` or a lexical word list.
@@ -20,7 +21,18 @@ from dataclasses import dataclass, field
 
 from trl import ModelConfig, ScriptArguments, TrlParser
 
+from .data.mixture import (
+    STOPPING_STRATEGIES,
+    apply_input_template,
+    check_input_template,
+    mix_datasets,
+    normalize_probs,
+    select_first,
+    to_conversational,
+)
+
 __all__ = [
+    "DatasetScriptArguments",
     "RewardScriptArguments",
     "lexical_reward",
     "load_policy_and_reference",
@@ -28,9 +40,12 @@ __all__ = [
     "load_reward_for_policy",
     "REWARD_INPUTS",
     "load_prompts",
+    "load_pretrain_dataset",
     "load_tokenizer",
     "make_parser",
     "model_load_kwargs",
+    "prepare_inputs",
+    "check_negative_data_options",
     "processes_text",
     "train_and_eval_splits",
     "train_and_save",
@@ -101,27 +116,211 @@ def given_options(argv: list[str] | None = None) -> set[str]:
 
 
 # ----------------------------------------------------------------------------------------------------- data
-def load_prompts(script_args: ScriptArguments):
-    """The dataset dict named by `--dataset_name`: a Hub id, a saved folder or a single local data file."""
+@dataclass
+class DatasetScriptArguments(ScriptArguments):
+    """TRL's dataset arguments plus the dataset options every training recipe shares (:func:`train_and_eval_splits`).
+
+    Mixture:
+        dataset_mixture: several datasets instead of ``dataset_name``; each row of the training set is drawn from
+            dataset ``i`` with probability ``dataset_probs[i]`` (seed: the training ``seed``).
+        dataset_probs: one weight per dataset (default uniform; normalised when they do not sum to 1).
+        mixture_stopping_strategy: ``first_exhausted`` or ``all_exhausted`` (`datasets.interleave_datasets`).
+        max_samples: keep the first rows of the (mixed) training set.
+
+    Inputs:
+        input_template: ``template.format(text)`` on the ``input_key`` column (exactly one ``{}``).
+        input_key: the column of the inputs (default ``prompt``).
+        apply_chat_template: plain-text rows → TRL's conversational format, rendered with the tokenizer's chat
+            template by the trainer.
+    """
+
+    dataset_mixture: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Several datasets (Hub ids, local folders or .json/.jsonl/.csv/.parquet files, same columns) "
+            "mixed into one training set: each row is drawn from dataset i with probability --dataset_probs[i] "
+            "(seeded by --seed). Replaces --dataset_name. Each dataset's --dataset_train_split is mixed; the "
+            "--dataset_test_split of those that have one are concatenated for evaluation."
+        },
+    )
+    dataset_probs: list[float] | None = field(
+        default=None,
+        metadata={
+            "help": "Sampling probabilities of the --dataset_mixture datasets, one each (default: uniform). Values "
+            "that do not sum to 1 are normalised (with a logged note); a 0 leaves that dataset out."
+        },
+    )
+    mixture_stopping_strategy: str = field(
+        default="first_exhausted",
+        metadata={
+            "help": "When the mixture ends: 'first_exhausted' (once one dataset has no rows left; no row repeats) "
+            "or 'all_exhausted' (once every dataset was used up; shorter ones are repeated).",
+            "choices": list(STOPPING_STRATEGIES),
+        },
+    )
+    max_samples: int | None = field(
+        default=None,
+        metadata={
+            "help": "Train on the first N rows only: of the file / Hub split, or of the mixture after sampling "
+            "(a seeded random interleaving). The eval split is not cut."
+        },
+    )
+    input_template: str | None = field(
+        default=None,
+        metadata={
+            "help": "Format of each input with one '{}' where the text goes, e.g. 'User: {}\\nAssistant: ' "
+            "(applied to the --input_key column of the train and eval rows; the column must hold text). A literal "
+            "backslash-n or backslash-t, as a shell passes them, becomes a newline or a tab."
+        },
+    )
+    input_key: str = field(
+        default="prompt",
+        metadata={"help": "Dataset column that --input_template and --apply_chat_template apply to."},
+    )
+    apply_chat_template: bool = field(
+        default=False,
+        metadata={
+            "help": "Turn plain-text rows into chats: the --input_key column becomes one user turn (and "
+            "completion / chosen / rejected one assistant turn each), which the trainer renders with the "
+            "tokenizer's chat template (a tokenizer without one is an error)."
+        },
+    )
+
+    def __post_init__(self):
+        if self.dataset_mixture is not None:
+            if self.dataset_name is not None:
+                raise ValueError("Pass either --dataset_name or --dataset_mixture, not both.")
+            if not self.dataset_mixture:
+                raise ValueError("--dataset_mixture needs at least one dataset.")
+            normalize_probs(self.dataset_probs, len(self.dataset_mixture))
+        elif self.dataset_probs is not None:
+            raise ValueError("--dataset_probs weights the datasets of --dataset_mixture; pass that as well.")
+        if self.max_samples is not None and self.max_samples < 1:
+            raise ValueError(f"--max_samples must be at least 1, got {self.max_samples}.")
+        if self.input_template is not None:  # a shell passes "\n" as backslash + n: read it as a newline
+            self.input_template = self.input_template.replace("\\n", "\n").replace("\\t", "\t")
+            check_input_template(self.input_template)
+
+
+def load_prompts(script_args: ScriptArguments, name: str | None = None):
+    """The dataset dict named by `--dataset_name` (or by ``name``): a Hub id, a folder of data files, a folder written
+    by `save_to_disk` or a single local data file (a file or a saved single `Dataset` becomes the
+    ``--dataset_train_split`` split)."""
     from datasets import load_dataset
 
-    name = script_args.dataset_name
+    name = script_args.dataset_name if name is None else name
     if name is None:
-        raise ValueError("Pass --dataset_name: a Hub dataset id, a local folder or a .json/.jsonl/.csv/.parquet file.")
+        raise ValueError(
+            "Pass --dataset_name (a Hub dataset id, a local folder or a .json/.jsonl/.csv/.parquet file) or "
+            "--dataset_mixture (several of them)."
+        )
     file_format = FILE_FORMATS.get(os.path.splitext(name)[1].lower())
     if file_format is not None and os.path.isfile(name):
         return load_dataset(file_format, data_files={script_args.dataset_train_split: name})
+    if any(os.path.isfile(os.path.join(name, f)) for f in ("dataset_dict.json", "state.json")):
+        from datasets import DatasetDict, load_from_disk  # a folder written by `save_to_disk`
+
+        saved = load_from_disk(name)
+        return saved if isinstance(saved, DatasetDict) else DatasetDict({script_args.dataset_train_split: saved})
     return load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
 
 
-def train_and_eval_splits(script_args: ScriptArguments, training_args):
-    """``(train_dataset, eval_dataset)`` of :func:`load_prompts`; the eval split only when ``eval_strategy`` is not
-    ``"no"`` and the dataset has ``--dataset_test_split`` (else ``None``)."""
-    dataset = load_prompts(script_args)
-    eval_dataset = None
-    if training_args.eval_strategy != "no" and script_args.dataset_test_split in dataset:
-        eval_dataset = dataset[script_args.dataset_test_split]
-    return dataset[script_args.dataset_train_split], eval_dataset
+def _split(dataset_dict, split: str, name: str):
+    if split not in dataset_dict:
+        raise ValueError(f"{name} has no split {split!r} (it has {list(dataset_dict)}); set --dataset_train_split.")
+    return dataset_dict[split]
+
+
+def prepare_inputs(dataset, script_args: ScriptArguments, tokenizer=None):
+    """``dataset`` with ``--input_template`` and then ``--apply_chat_template`` applied to its ``--input_key``
+    column (no-ops for plain `ScriptArguments`). The chat format needs ``tokenizer`` to have a chat template."""
+    template = getattr(script_args, "input_template", None)
+    key = getattr(script_args, "input_key", "prompt")
+    if template is not None:
+        dataset = apply_input_template(dataset, template, key)
+    if getattr(script_args, "apply_chat_template", False):
+        if tokenizer is None:
+            raise ValueError("--apply_chat_template needs the recipe's tokenizer; this recipe has none to pass.")
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                "--apply_chat_template: the tokenizer has no chat template; set one (`tokenizer.chat_template`) or "
+                "drop the option (an --input_template formats plain text instead)."
+            )
+        dataset = to_conversational(dataset, key)
+    return dataset
+
+
+def check_negative_data_options(script_args) -> None:
+    """Refuse the dataset options that do not apply to ``--negative_data_path`` rows (DPO/KTO recipes): their prompts
+    are kept exactly as the harmlessness run sampled them; only ``--max_samples`` applies (``--dataset_name`` is
+    ignored, as a YAML may set it)."""
+    given = [
+        f"--{name}"
+        for name in ("dataset_mixture", "input_template", "apply_chat_template")
+        if getattr(script_args, name, None)
+    ]
+    if given:
+        raise ValueError(
+            f"--negative_data_path replaces the dataset, so {', '.join(given)} cannot be used with it (its prompts "
+            "are kept as the harmlessness run sampled them); drop them, or drop --negative_data_path."
+        )
+
+
+def train_and_eval_splits(script_args: ScriptArguments, training_args, tokenizer=None, prompt_column: str = "prompt"):
+    """``(train_dataset, eval_dataset)`` of ``--dataset_name`` (:func:`load_prompts`) or ``--dataset_mixture``.
+
+    The eval split is only loaded when ``eval_strategy`` is not ``"no"`` and the dataset (for a mixture: any of its
+    datasets, concatenated) has ``--dataset_test_split``; else it is ``None``. With :class:`DatasetScriptArguments`
+    the training rows are mixed (:func:`trl_ext.data.mix_datasets`, seeded by ``training_args.seed``) and cut to
+    ``--max_samples``; ``prompt_column`` (if not ``prompt``) is renamed to ``prompt``; then both splits go through
+    :func:`prepare_inputs` (``tokenizer``: for ``--apply_chat_template``).
+    """
+    from datasets import concatenate_datasets
+
+    evaluate = getattr(training_args, "eval_strategy", "no") != "no"
+    test_split = script_args.dataset_test_split
+    mixture = getattr(script_args, "dataset_mixture", None)
+    max_samples = getattr(script_args, "max_samples", None)
+    if mixture:
+        dicts = [load_prompts(script_args, name) for name in mixture]
+        train_dataset = mix_datasets(
+            [_split(d, script_args.dataset_train_split, name) for d, name in zip(dicts, mixture)],
+            script_args.dataset_probs,
+            seed=getattr(training_args, "seed", 0),
+            max_samples=max_samples,
+            stopping_strategy=script_args.mixture_stopping_strategy,
+        )
+        evals = [d[test_split] for d in dicts if evaluate and test_split in d]
+        eval_dataset = concatenate_datasets(evals) if len(evals) > 1 else (evals[0] if evals else None)
+    else:
+        dataset = load_prompts(script_args)
+        train_dataset = select_first(dataset[script_args.dataset_train_split], max_samples)
+        eval_dataset = dataset[test_split] if evaluate and test_split in dataset else None
+    splits = []
+    for split in (train_dataset, eval_dataset):
+        if split is not None and prompt_column != "prompt":
+            split = split.rename_column(prompt_column, "prompt")
+        splits.append(None if split is None else prepare_inputs(split, script_args, tokenizer))
+    return tuple(splits)
+
+
+def load_pretrain_dataset(training_args):
+    """The texts of the pretraining (ptx) loss: ``--pretrain_data`` (a Hub id, a saved folder or a single local data
+    file) at ``--pretrain_split``, or ``None`` when it is not set. The trainer checks ``--pretrain_text_column``."""
+    from datasets import load_dataset
+
+    name, split = getattr(training_args, "pretrain_data", None), training_args.pretrain_split
+    if name is None:
+        return None
+    file_format = FILE_FORMATS.get(os.path.splitext(name)[1].lower())
+    if file_format is not None and os.path.isfile(name):
+        return load_dataset(file_format, data_files={split: name}, split=split)
+    dataset = load_dataset(name)
+    if split not in dataset:
+        raise ValueError(
+            f"--pretrain_data {name!r} has no split {split!r} (it has {list(dataset)}); set --pretrain_split."
+        )
+    return dataset[split]
 
 
 # --------------------------------------------------------------------------------------------------- models
@@ -206,8 +405,8 @@ def load_reward_for_policy(
 
 
 @dataclass
-class RewardScriptArguments(ScriptArguments):
-    """TRL's dataset arguments plus the reward: a reward model or a lexical word list (exactly one)."""
+class RewardScriptArguments(DatasetScriptArguments):
+    """The shared dataset arguments plus the reward: a reward model or a lexical word list (exactly one)."""
 
     reward_model_path: str | None = field(
         default=None,

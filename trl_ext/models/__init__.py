@@ -15,6 +15,7 @@ from .lora import (
     reference_is_base_with_adapters_disabled,
 )
 from .modulated import MODULATION_KINDS, ModulatedCausalLM, ModulatedConfig, build_modulation_head
+from .offload import check_offloadable, module_device, on_device
 from .quantization import (
     bnb_4bit_config,
     bnb_8bit_config,
@@ -72,6 +73,7 @@ __all__ = [
     "bnb_8bit_config",
     "build_lora_config",
     "build_modulation_head",
+    "check_offloadable",
     "chat_template_markers",
     "clear_reward_normalization",
     "count_parameters",
@@ -93,6 +95,8 @@ __all__ = [
     "load_model",
     "load_reward_model",
     "load_sequence_classifier",
+    "module_device",
+    "on_device",
     "prepare_value_head_for_peft",
     "psi_modulation",
     "psi_q_p_s_1_to_t",

@@ -32,6 +32,7 @@ from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList
 
 from ..models.lora import is_peft_model
+from ..models.offload import on_device
 from ..models.reward import get_sequence_scores
 from ..models.reward_functions import RewardFunction, as_reward_function
 from ..models.value_head import AutoModelForCausalLMWithValueHead
@@ -377,10 +378,14 @@ class RolloutReward:
     - anything else goes through :func:`~trl_ext.models.as_reward_function` (a ``(model, tokenizer)`` pair, a
       ``RewardFunction``, a callable ``(prompts, completions) -> scores``, a URL, a checkpoint path) and is scored on
       the decoded texts; with ``uses_images`` it also gets the rows' PIL images as ``images=``.
+
+    ``offload_device``: with a reward model kept on the CPU (``reward_offload=True``), the device it is moved to for
+    its forward passes (each call, or the whole block of :meth:`placed`); ``None``: it stays where it is.
     """
 
-    def __init__(self, reward, tokenizer, uses_images: bool = False):
+    def __init__(self, reward, tokenizer, uses_images: bool = False, offload_device: torch.device | None = None):
         self.tokenizer, self.uses_images = tokenizer, uses_images
+        self.offload_device = offload_device
         self.model: nn.Module | None = None
         self.function: RewardFunction | None = None
         if isinstance(reward, nn.Module):
@@ -400,16 +405,21 @@ class RolloutReward:
     def uses_token_ids(self) -> bool:
         return self.model is not None
 
+    def placed(self):
+        """Context in which an offloaded reward model is on ``offload_device`` (a no-op otherwise)."""
+        return on_device(self.model, self.offload_device, enabled=self.model is not None)
+
     @torch.no_grad()
     def __call__(self, prompt_ids, prompt_mask, response_ids, response_mask, vision=None) -> torch.Tensor:
         device = prompt_ids.device
         if self.model is not None:
-            param = next(self.model.parameters(), None)
-            target = param.device if param is not None else device
-            ids = torch.cat([prompt_ids, response_ids], 1).to(target)
-            mask = torch.cat([prompt_mask, response_mask], 1).to(target)
-            with eval_mode(self.model):
-                return get_sequence_scores(self.model, ids, mask).float().to(device)
+            with self.placed():
+                param = next(self.model.parameters(), None)
+                target = param.device if param is not None else device
+                ids = torch.cat([prompt_ids, response_ids], 1).to(target)
+                mask = torch.cat([prompt_mask, response_mask], 1).to(target)
+                with eval_mode(self.model):
+                    return get_sequence_scores(self.model, ids, mask).float().to(device)
         kwargs = {"images": reward_images(vision)} if self.uses_images else {}
         ids_and_masks = (prompt_ids, response_ids, self.tokenizer, prompt_mask, response_mask)
         scores = self.function.score_token_ids(*ids_and_masks, **kwargs)
@@ -528,31 +538,39 @@ class RolloutGenerator:
         mask = torch.cat([prompt_mask, response_mask], 1)
         T = responses.shape[1]
         parts: dict[str, list[torch.Tensor]] = {"logprobs": [], "ref_logprobs": [], "values": [], "scores": []}
+        chunks = [slice(s, s + self.forward_batch_size) for s in range(0, ids.shape[0], self.forward_batch_size)]
+
+        def rows_vision(rows: slice):
+            return vision[rows] if vision is not None else None
+
+        # One pass per model over the chunks, so that an offloaded reference / reward model (`ref_offload`,
+        # `reward_offload`) is moved to the accelerator once per rollout; every chunk is scored as it would be alone.
         with eval_mode(model):
             with torch.no_grad(), self._autocast():
-                for s in range(0, ids.shape[0], self.forward_batch_size):
-                    rows = slice(s, s + self.forward_batch_size)
-                    row_vision = vision[rows] if vision is not None else None
+                for rows in chunks:
                     if sampled_logprobs is not None:
                         parts["logprobs"].append(sampled_logprobs[rows])
                         if self.with_values:
-                            parts["values"].append(self._values(model, ids[rows], mask[rows], T, row_vision))
+                            parts["values"].append(self._values(model, ids[rows], mask[rows], T, rows_vision(rows)))
                     else:
                         out = forward_response(
                             model, ids[rows], mask[rows], T, temperature=self.settings.temperature,
-                            return_values=self.with_values, chunk_size=self.chunk_size, vision=row_vision,
+                            return_values=self.with_values, chunk_size=self.chunk_size, vision=rows_vision(rows),
                         )  # fmt: skip
                         parts["logprobs"].append(out.logprobs)
                         if out.values is not None:
                             parts["values"].append(out.values)
-                    with self.reference.module(self.policy_of(self._unwrapped(model))) as reference:
+                with self.reference.module(self.policy_of(self._unwrapped(model))) as reference:
+                    for rows in chunks:
                         ref = forward_response(
-                            reference, ids[rows], mask[rows], T,
-                            temperature=self.settings.temperature, chunk_size=self.chunk_size, vision=row_vision,
+                            reference, ids[rows], mask[rows], T, temperature=self.settings.temperature,
+                            chunk_size=self.chunk_size, vision=rows_vision(rows),
                         )  # fmt: skip
-                    parts["ref_logprobs"].append(ref.logprobs)
-                    batch = (prompt_ids[rows], prompt_mask[rows], responses[rows], response_mask[rows])
-                    parts["scores"].append(self.reward(*batch, row_vision))
+                        parts["ref_logprobs"].append(ref.logprobs)
+                with getattr(self.reward, "placed", contextlib.nullcontext)():
+                    for rows in chunks:
+                        batch = (prompt_ids[rows], prompt_mask[rows], responses[rows], response_mask[rows])
+                        parts["scores"].append(self.reward(*batch, rows_vision(rows)))
         scores = torch.cat(parts["scores"])
         if self.missing_eos_penalty is not None:
             scores = torch.where(contains_stop, scores, scores - self.missing_eos_penalty)

@@ -19,6 +19,7 @@ import torch
 from trl import SFTConfig, SFTTrainer
 
 from ..losses import get_loss
+from ..models.offload import check_offloadable, on_device
 from .common.model_card import CompleteModelCard
 
 __all__ = ["KDConfig", "KDTrainer"]
@@ -40,6 +41,11 @@ class KDConfig(SFTConfig):
         teacher_model_init_kwargs (`dict[str, Any]`, *optional*):
             Keyword arguments of `trl_ext.models.load_causal_lm` when the trainer loads the teacher from a path (e.g.
             `{"dtype": "bfloat16"}`; default float32 on a CPU, the checkpoint's dtype on an accelerator).
+        teacher_offload (`bool`, *optional*, defaults to `False`):
+            Keep the teacher on the CPU and move it to the accelerator only for its forward pass (once per
+            micro-batch, then back): same losses, less accelerator memory between teacher passes, at the cost of a
+            host-to-device copy of the teacher per micro-batch. Not under DeepSpeed or FSDP (use their own
+            parameter offload).
 
         > Parameters that control the loss
 
@@ -69,6 +75,14 @@ class KDConfig(SFTConfig):
         metadata={
             "help": "Keyword arguments of `trl_ext.models.load_causal_lm` when loading the teacher from a path, e.g. "
             '\'{"dtype": "bfloat16"}\'.'
+        },
+    )
+    teacher_offload: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep the teacher on the CPU and move it to the accelerator only for its forward pass (once per "
+            "micro-batch): same losses, less accelerator memory, a host-to-device copy per micro-batch. Not under "
+            "DeepSpeed or FSDP (use their own parameter offload)."
         },
     )
     kd_coef: float = field(
@@ -149,6 +163,19 @@ class KDTrainer(CompleteModelCard, SFTTrainer):
     def _prepare_teacher(self, teacher: torch.nn.Module) -> torch.nn.Module:
         teacher.eval()
         teacher.requires_grad_(False)
+        # With teacher_offload: where `compute_loss` moves the teacher (kept on the CPU) for its forward pass.
+        self.teacher_offload_device = None
+        if self.args.teacher_offload:
+            if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+                backend = "DeepSpeed" if self.is_deepspeed_enabled else "FSDP"
+                raise ValueError(
+                    f"teacher_offload=True is not supported under {backend}: there the teacher is prepared (sharded) "
+                    f"by {backend}, which has its own parameter offload. Set teacher_offload=False and use ZeRO-3's "
+                    "`offload_param: {device: cpu}` (DeepSpeed) or FSDP's CPU offload (`offload_params`) instead."
+                )
+            check_offloadable(teacher, "teacher_offload")
+            self.teacher_offload_device = self.accelerator.device
+            return teacher.to("cpu")
         if self.is_deepspeed_enabled:
             from trl.models import prepare_deepspeed
 
@@ -171,7 +198,7 @@ class KDTrainer(CompleteModelCard, SFTTrainer):
         model_inputs["use_cache"] = False
         outputs = model(**model_inputs)
         student_logits = outputs.logits
-        with torch.no_grad():
+        with torch.no_grad(), on_device(self.teacher_model, self.teacher_offload_device):  # teacher_offload
             teacher_logits = self.teacher_model(**model_inputs).logits
 
         normalizer = None if num_items_in_batch is None else torch.as_tensor(num_items_in_batch).clamp(min=1)

@@ -8,7 +8,10 @@ Layout of a saved folder (the final `save_model` output and every `checkpoint-N`
 - ``value_model/`` holds the separate critic, when there is one (``save_pretrained`` of the value model);
 - in checkpoints, `transformers.Trainer` adds the optimizer, scheduler, RNG states and ``trainer_state.json``, and
   PPO adds ``ppo_rollout_state-rank<i>.pt`` when the checkpoint falls in the middle of a rollout, and the online
-  trainers add ``kl_controller.json`` (the current KL coefficient, :func:`save_kl_controller`).
+  trainers add ``kl_controller.json`` (the current KL coefficient, :func:`save_kl_controller`) and, with
+  ``normalize_reward``, ``reward_normalizer.json`` (the running score statistics, :func:`save_reward_normalizer`),
+  and with ``ema_beta``, ``ema.safetensors`` (the EMA of the trained weights, `trl_ext.trainers.common.ema`); with
+  ``save_ema_model`` the final save holds the EMA weights at the root, checkpoints always the live ones.
 
 Writes are staged: everything is written to a hidden temporary folder next to the target, then moved into place
 entry by entry with atomic renames. `transformers.Trainer` (5.23) writes ``checkpoint-N`` in place, not through a
@@ -32,6 +35,7 @@ from ...models.lora import is_peft_model
 
 __all__ = [
     "KL_CONTROLLER_NAME",
+    "REWARD_NORMALIZER_NAME",
     "PROPOSAL_DIR",
     "ROLLOUT_STATE_PATTERN",
     "VALUE_MODEL_DIR",
@@ -40,10 +44,12 @@ __all__ = [
     "load_kl_controller",
     "load_policy_and_proposal",
     "load_policy_and_value",
+    "load_reward_normalizer",
     "resolve_resume_checkpoint",
     "save_kl_controller",
     "save_policy_and_proposal",
     "save_policy_and_value",
+    "save_reward_normalizer",
 ]
 
 logger = logging.getLogger(__name__)
@@ -53,6 +59,7 @@ PROPOSAL_DIR = "proposal"
 TRAINER_STATE_NAME = "trainer_state.json"
 ROLLOUT_STATE_PATTERN = "ppo_rollout_state-rank{rank}.pt"
 KL_CONTROLLER_NAME = "kl_controller.json"
+REWARD_NORMALIZER_NAME = "reward_normalizer.json"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -276,11 +283,15 @@ def load_policy_and_proposal(policy: nn.Module, proposal: nn.Module | None, chec
 
 def save_kl_controller(controller, checkpoint_dir: str) -> None:
     """Write the KL controller's state (its current coefficient) to ``checkpoint_dir/kl_controller.json``."""
+    _write_json_atomically(controller.state_dict(), checkpoint_dir, KL_CONTROLLER_NAME)
+
+
+def _write_json_atomically(state: dict, checkpoint_dir: str, name: str) -> None:
     os.makedirs(checkpoint_dir, exist_ok=True)
-    path = os.path.join(checkpoint_dir, KL_CONTROLLER_NAME)
+    path = os.path.join(checkpoint_dir, name)
     tmp = f"{path}.tmp-{os.getpid()}"  # atomic: a kill mid-write never leaves half a file
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(controller.state_dict(), f)
+        json.dump(state, f)
     os.replace(tmp, path)
 
 
@@ -297,3 +308,23 @@ def load_kl_controller(controller, checkpoint_dir: str) -> None:
     with open(path, encoding="utf-8") as f:
         controller.load_state_dict(json.load(f))
     logger.info("Restored the KL coefficient %.6g from %s.", controller.value, path)
+
+
+def save_reward_normalizer(normalizer, checkpoint_dir: str) -> None:
+    """Write the running score statistics (``normalize_reward``, `reward_norm.RunningMoments`) to
+    ``checkpoint_dir/reward_normalizer.json`` (atomically; floats round-trip exactly through JSON)."""
+    _write_json_atomically(normalizer.state_dict(), checkpoint_dir, REWARD_NORMALIZER_NAME)
+
+
+def load_reward_normalizer(normalizer, checkpoint_dir: str) -> None:
+    """Restore the running score statistics from ``checkpoint_dir/reward_normalizer.json``. A checkpoint without the
+    file (written with ``normalize_reward=False``) leaves them empty, with a warning: the statistics restart from the
+    next rollout's scores."""
+    path = os.path.join(checkpoint_dir, REWARD_NORMALIZER_NAME)
+    if not os.path.isfile(path):
+        logger.warning("%s has no %s: the running reward statistics (normalize_reward) restart from the next "
+                       "rollout.", checkpoint_dir, REWARD_NORMALIZER_NAME)  # fmt: skip
+        return
+    with open(path, encoding="utf-8") as f:
+        normalizer.load_state_dict(json.load(f))
+    logger.info("Restored the running reward statistics (%r) from %s.", normalizer, path)

@@ -5,8 +5,9 @@ Each of the three trains on responses it samples itself from prompt batches, so 
 check the inputs and the tokenizer, seed before building models, tokenise the prompt datasets, put the frozen
 reference and reward model next to the trained module, build the sampling settings and the rollout generator, hand
 `Trainer` a dataloader of prompt batches (:class:`~trl_ext.rollout.data.RolloutSampler`), resolve
-``resume_from_checkpoint`` to a *complete* checkpoint, and save their models in HF format with a model card. Those
-steps are written here once; each trainer keeps its own models, losses and metrics.
+``resume_from_checkpoint`` to a *complete* checkpoint, keep an EMA of the trained weights (``ema_beta``, `ema.py`), and
+save their models in HF format with a model card. Those steps are written here once; each trainer keeps its own
+models, losses and metrics.
 
 The mixin goes before `_BaseTrainer` in the bases (``class PPOTrainer(OnlineTrainerMixin, _BaseTrainer)``) and
 expects ``self.tokenizer``, ``self.reference``, ``self.ref_model`` and ``self.reward_model`` to be set.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Iterator
@@ -26,6 +28,7 @@ from torch.utils.data import DataLoader
 from transformers.trainer_utils import enable_full_determinism, set_seed
 from trl.trainer import disable_dropout_in_model
 
+from ...models.offload import check_offloadable
 from ...models.quantization import keep_4bit_layers_trainable
 from ...rollout.data import PromptCollator, RolloutSampler, check_pad_token, prepare_prompt_dataset, tokenizer_of
 from ...rollout.generator import ReferencePolicy, RolloutGenerator, RolloutReward, SamplingSettings, generate_responses
@@ -37,11 +40,13 @@ from ...rollout.vision import (
     vision_setup,
 )
 from . import checkpoint as ckpt
+from .ema import EMA, EMACallback, load_ema, save_ema
 from .kl_control import build_kl_controller
 from .metrics import log_completions_table, print_completions_table
 from .model_card import CompleteModelCard, write_text_atomically
+from .reward_norm import RunningMoments
 
-__all__ = ["OnlineTrainerMixin", "forked_rng", "hub_push_errors"]
+__all__ = ["OnlineTrainerMixin", "evaluates_with_ema", "forked_rng", "hub_push_errors"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +58,19 @@ def forked_rng() -> Iterator[None]:
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         yield
+
+
+def evaluates_with_ema(method):
+    """Decorator of an online trainer's evaluation / sample-table method: with ``eval_with_ema`` the method runs with
+    the EMA weights swapped into the trained model (:meth:`OnlineTrainerMixin.ema_weights`)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        swap = self.ema is not None and getattr(self.args, "eval_with_ema", False)
+        with self.ema_weights() if swap else contextlib.nullcontext():
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 @contextlib.contextmanager
@@ -116,6 +134,9 @@ class OnlineTrainerMixin(CompleteModelCard, abc.ABC):
         self.vision_spec = None  # set by _prepare_datasets
         # The KL coefficient of configs with `kl_target` (fixed or adaptive, `kl_control.py`); None for the others.
         self.kl_controller = build_kl_controller(args) if hasattr(args, "kl_target") else None
+        # The running score statistics of configs with `normalize_reward=True` (`reward_norm.py`); None otherwise.
+        self.reward_normalizer = RunningMoments() if getattr(args, "normalize_reward", False) else None
+        self.ema: EMA | None = None  # the EMA of the trained weights (``ema_beta``), built when training starts
         check_pad_token(self.tokenizer)
         self.stop_token_id = self.tokenizer.eos_token_id if args.stop_token == "eos" else args.stop_token_id
         enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
@@ -177,19 +198,53 @@ class OnlineTrainerMixin(CompleteModelCard, abc.ABC):
 
     def _place_frozen_models(self) -> None:
         """Put the frozen reference and reward model where the trained model is (DeepSpeed-prepared under
-        DeepSpeed)."""
+        DeepSpeed). With ``ref_offload`` / ``reward_offload`` keep them on the CPU instead: the reference
+        (``self.reference.offload_device``) and the reward (:meth:`_rollout_generator`) move them to the accelerator
+        for their forward passes only (`trl_ext.models.offload`)."""
+        offloaded = self._offloaded_frozen_models()
         for name, module in self._frozen_modules().items():
-            if self.is_deepspeed_enabled:
+            if name in offloaded:
+                module = module.to("cpu")
+            elif self.is_deepspeed_enabled:
                 from trl.models import prepare_deepspeed
 
                 module = prepare_deepspeed(module, self.accelerator)
             else:
                 module = module.to(self.accelerator.device)
             setattr(self, name, module)
+        device = self.accelerator.device
         if self.ref_model is not None:
             self.reference.model = self.ref_model
+            self.reference.offload_device = device if "ref_model" in offloaded else None
+        self._reward_offload_device = device if "reward_model" in offloaded else None
         if isinstance(self.reward_model, nn.Module):
             self.reward_model.eval()
+
+    def _offloaded_frozen_models(self) -> set[str]:
+        """The attributes (``ref_model``, ``reward_model``) of the frozen models to keep on the CPU (``ref_offload``,
+        ``reward_offload``), after checking that they can be."""
+        options = {"ref_model": "ref_offload", "reward_model": "reward_offload"}
+        wanted = {name for name, option in options.items() if getattr(self.args, option, False)}
+        if not wanted:
+            return set()
+        if self.is_deepspeed_enabled:
+            names = " and ".join(options[name] for name in sorted(wanted))
+            raise ValueError(
+                f"{names}=True is not supported under DeepSpeed: there the frozen models are DeepSpeed engines "
+                "(trl.models.prepare_deepspeed) and ZeRO has its own offload. Set them to False and use ZeRO-3 with "
+                "`offload_param: {device: cpu}` in the zero_optimization section of the DeepSpeed config instead."
+            )
+        frozen = self._frozen_modules()
+        for name in sorted(wanted - frozen.keys()):
+            logger.warning(
+                "%s=True does nothing here: there is no separate frozen %s to keep on the CPU (e.g. a reward function "
+                "or server, or a reference that is part of the trained model).", options[name],
+                name.replace("_", " "),
+            )  # fmt: skip
+        wanted &= frozen.keys()
+        for name in wanted:
+            check_offloadable(frozen[name], options[name])
+        return wanted
 
     def _sampling_settings(self, args) -> SamplingSettings:
         return SamplingSettings(
@@ -207,6 +262,8 @@ class OnlineTrainerMixin(CompleteModelCard, abc.ABC):
         """A :class:`RolloutGenerator` with ``self._sampling`` and the config's rollout options; ``kwargs`` (e.g.
         ``policy_of``) are passed on."""
         args = self.args
+        if getattr(reward, "model", None) is not None and reward.model is self.reward_model:  # reward_offload
+            reward.offload_device = getattr(self, "_reward_offload_device", None)
         return RolloutGenerator(
             self._sampling, reward, reference,
             forward_batch_size=args.local_rollout_forward_batch_size, accelerator=self.accelerator,
@@ -273,26 +330,105 @@ class OnlineTrainerMixin(CompleteModelCard, abc.ABC):
             self.kl_controller = build_kl_controller(self.args)
             if resume_from_checkpoint is not None:
                 ckpt.load_kl_controller(self.kl_controller, resume_from_checkpoint)
+        if self.reward_normalizer is not None:  # fresh statistics; a resumed run continues the checkpoint's
+            self.reward_normalizer = RunningMoments()
+            if resume_from_checkpoint is not None:
+                ckpt.load_reward_normalizer(self.reward_normalizer, resume_from_checkpoint)
+        self._start_ema(resume_from_checkpoint)
         self._start_training(resume_from_checkpoint)
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+
+    # ---------------------------------------------------------------------------------- reward normalisation
+    def _update_reward_normalizer(self, scores: torch.Tensor) -> None:
+        """With ``normalize_reward``: add one rollout's ``scores`` of every process (gathered, so the statistics are
+        the same everywhere) to the running statistics. Called once per rollout, before its rewards are built."""
+        if self.reward_normalizer is not None:
+            self.reward_normalizer.update(self.accelerator.gather(scores.detach().float().contiguous()))
+
+    def normalized_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """``(scores − mean) / max(std, 1e-8)`` with the running statistics of ``normalize_reward`` (this rollout's
+        scores included, :class:`~trl_ext.trainers.common.reward_norm.RunningMoments`); ``scores`` unchanged
+        without it."""
+        if self.reward_normalizer is None:
+            return scores
+        return self.reward_normalizer.normalize(scores)
 
     def _start_training(self, resume_from_checkpoint: str | None) -> None:
         """Reset the trainer's own step state before `Trainer.train` (the checkpoint resumed from, or ``None``).
         Nothing to reset by default."""
         return None
 
+    # ---------------------------------------------------------------------------------------------------- EMA
+    def _ema_module(self) -> nn.Module:
+        """The (unwrapped) model whose trainable weights ``ema_beta`` averages: the trained module by default; PPO and
+        the harmlessness trainer average their policy."""
+        return self.accelerator.unwrap_model(self.model)
+
+    def _start_ema(self, resume_from_checkpoint: str | None) -> None:
+        """With ``ema_beta``: a fresh :class:`~trl_ext.trainers.common.ema.EMA` of :meth:`_ema_module` (from its
+        current weights, or from the checkpoint's ``ema.safetensors`` when resuming) and the callback that updates it
+        after every optimizer step."""
+        self.ema = None
+        self.callback_handler.remove_callback(EMACallback)
+        if not getattr(self.args, "ema_beta", None):
+            return
+        if self.is_fsdp_enabled:
+            raise ValueError("ema_beta is not supported under FSDP; use DDP or DeepSpeed (ZeRO-3 included).")
+        self.ema = EMA(self._ema_module(), self.args.ema_beta, offload=self.args.ema_offload)
+        if resume_from_checkpoint is not None:
+            load_ema(self.ema, resume_from_checkpoint)
+        self.add_callback(EMACallback(self.ema, self._ema_module))
+
+    @contextlib.contextmanager
+    def ema_weights(self) -> Iterator[nn.Module]:
+        """Run the block with the EMA weights in the averaged model (:meth:`_ema_module`, yielded) and put the live
+        weights back afterwards. Needs ``ema_beta`` and a started training run."""
+        if self.ema is None:
+            raise ValueError("There is no EMA of the weights: set ema_beta in the config and train first.")
+        with self.ema.swapped_in(self._ema_module()) as module:
+            yield module
+
+    def _ema_prefix(self) -> str:
+        """Prefix of :meth:`_ema_module`'s parameter names in the trained module's state dict."""
+        module, root = self._ema_module(), self.accelerator.unwrap_model(self.model)
+        for name, sub in root.named_modules():
+            if sub is module:
+                return f"{name}." if name else ""
+        raise ValueError(f"{type(module).__name__} is not part of the trained module.")
+
+    def _write_ema_models(self, output_dir: str, state_dict: dict | None) -> None:
+        """:meth:`_write_models` with the averaged model's live weights replaced by the EMA (``save_ema_model``)."""
+        if state_dict is not None:  # gathered (DeepSpeed): overlay the gathered weights, nothing to swap
+            state_dict = self.ema.overlay(state_dict, self._ema_module(), self._ema_prefix())
+            self._write_models(output_dir, state_dict)
+            return
+        with self.ema_weights():
+            self._write_models(output_dir, None)
+
     # ----------------------------------------------------------------------------------------------- saving
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save the trained model(s) at ``output_dir`` in HF format (a PEFT model saves its adapter) with the
         tokenizer and the training arguments (:meth:`_write_models`); outside checkpoints, also the model card, and
-        push with ``push_to_hub``."""
+        push with ``push_to_hub``.
+
+        With ``ema_beta``, a checkpoint also holds the EMA (``ema.safetensors``); with ``save_ema_model`` every save
+        that is not a checkpoint (the final model, the Hub upload) writes the EMA weights in place of the live ones
+        of the averaged model (the policy; the proposal for `ProposalTrainer`)."""
         output_dir = os.path.normpath(output_dir if output_dir is not None else self.args.output_dir)
+        is_checkpoint = _internal_call and output_dir != os.path.normpath(self.args.output_dir)
         state_dict, gathered = self._gathered_state_dict()
         if self.args.should_save and gathered:
-            self._write_models(output_dir, state_dict)
-        if _internal_call and output_dir != os.path.normpath(self.args.output_dir):
+            if self.ema is not None and getattr(self.args, "save_ema_model", False) and not is_checkpoint:
+                self._write_ema_models(output_dir, state_dict)
+            else:
+                self._write_models(output_dir, state_dict)
+        if is_checkpoint:
             if self.args.should_save and self.kl_controller is not None:  # read back by `train(resume_from_...)`
                 ckpt.save_kl_controller(self.kl_controller, output_dir)
+            if self.args.should_save and self.reward_normalizer is not None:  # normalize_reward's statistics
+                ckpt.save_reward_normalizer(self.reward_normalizer, output_dir)
+            if self.args.should_save and self.ema is not None:  # read back by `train(resume_from_...)`
+                save_ema(self.ema, output_dir)
             self._write_checkpoint_card(output_dir)  # a checkpoint: before `Trainer` writes trainer_state.json
         if not _internal_call:
             self.create_model_card(model_name=self._card_model_name())

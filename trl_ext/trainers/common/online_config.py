@@ -74,6 +74,30 @@ class OnlineConfig(_BaseConfig):
             Pass the prompts' images (PIL) to the reward function as `images=` (vision-language policies; the
             reward must then be a callable or a `RewardFunction`). `False`: rewards score the text only.
 
+        > Parameters that control where the frozen models are kept
+
+        ref_offload (`bool`, *optional*, defaults to `False`):
+            Keep the separate frozen reference model on the CPU and move it to the accelerator only for its forward
+            passes (once per rollout); results are unchanged, accelerator memory is freed for the trained model at
+            the cost of host-to-device copies. Not under DeepSpeed (use ZeRO's `offload_param`).
+        reward_offload (`bool`, *optional*, defaults to `False`):
+            The same for a reward *model* (`nn.Module`); nothing to do for reward functions or servers.
+
+        > Parameters that control the EMA of the weights
+
+        ema_beta (`float`, *optional*):
+            Keep an exponential moving average of the trained model's trainable weights (the policy; the proposal
+            for `ProposalTrainer`): `ema_0` = the initial weights, `ema_t = ema_beta * ema_{t-1} + (1 - ema_beta) *
+            theta_t` after every optimizer step, in fp32. Saved in checkpoints (`ema.safetensors`) and restored on
+            resume. Must be in (0, 1); `None` or `0`: off.
+        ema_offload (`bool`, *optional*, defaults to `False`):
+            Keep the EMA on the CPU instead of the model's device.
+        save_ema_model (`bool`, *optional*, defaults to `False`):
+            The final `save_model` (and the Hub upload) writes the EMA weights of the averaged model in place of
+            the live ones; checkpoints keep the live weights (and the EMA in `ema.safetensors`).
+        eval_with_ema (`bool`, *optional*, defaults to `False`):
+            `evaluate()` and the sample-completion tables use the EMA weights (swapped in, then swapped back).
+
     > [!NOTE]
     > Defaults that differ from [`~transformers.TrainingArguments`]: `logging_steps=10`, activation checkpointing on,
     > and `bf16` on when `fp16` is off *and a GPU (or XPU) is present*; on a CPU-only machine (or with
@@ -151,6 +175,53 @@ class OnlineConfig(_BaseConfig):
         },
     )
 
+    # ----------------------------------------------------------------------------------------- frozen models
+    ref_offload: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep the separate frozen reference model on the CPU and move it to the accelerator only for its "
+            "forward passes (once per rollout): same results, less accelerator memory, extra host-to-device copies. "
+            "Not under DeepSpeed (use ZeRO's offload_param there)."
+        },
+    )
+    reward_offload: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep the reward model (an nn.Module) on the CPU and move it to the accelerator only for its "
+            "forward passes (once per rollout); nothing to do for reward functions or servers. Not under DeepSpeed "
+            "(use ZeRO's offload_param there)."
+        },
+    )
+
+    # ---------------------------------------------------------------------------------------------------- EMA
+    ema_beta: float | None = field(
+        default=None,
+        metadata={
+            "help": "Exponential moving average (EMA) of the trained model's trainable weights (the policy; the "
+            "proposal for ProposalTrainer): ema_0 = initial weights, ema_t = ema_beta * ema_{t-1} + (1 - ema_beta) * "
+            "theta_t after every optimizer step, kept in fp32, saved in checkpoints (ema.safetensors) and restored "
+            "on resume. Must be in (0, 1), e.g. 0.99; None or 0: off."
+        },
+    )
+    ema_offload: bool = field(
+        default=False,
+        metadata={"help": "Keep the EMA weights on the CPU instead of the model's device (needs ema_beta)."},
+    )
+    save_ema_model: bool = field(
+        default=False,
+        metadata={
+            "help": "The final save_model (and the Hub upload) writes the EMA weights of the averaged model instead "
+            "of the live ones; checkpoints keep the live weights plus ema.safetensors (needs ema_beta)."
+        },
+    )
+    eval_with_ema: bool = field(
+        default=False,
+        metadata={
+            "help": "evaluate() and the sample-completion tables use the EMA weights (swapped in for the evaluation, "
+            "then swapped back; needs ema_beta)."
+        },
+    )
+
     def __post_init__(self):
         if self.bf16 is None and not self.fp16 and (self.use_cpu or not _has_accelerator()):
             self.bf16 = False
@@ -187,6 +258,20 @@ class OnlineConfig(_BaseConfig):
                 fail(f"{name}={getattr(self, name)}: set it to at least 1.")
         if self.missing_eos_penalty is not None and self.missing_eos_penalty < 0:
             fail(f"missing_eos_penalty={self.missing_eos_penalty} must be >= 0 (it is subtracted from the score).")
+        self._validate_ema()
+
+    @property
+    def uses_ema(self) -> bool:
+        """Whether an EMA of the weights is kept (``ema_beta`` set and not 0)."""
+        return bool(self.ema_beta)
+
+    def _validate_ema(self) -> None:
+        beta = self.ema_beta
+        if beta is not None and beta != 0 and not 0 < beta < 1:
+            self._fail(f"ema_beta={beta} must be in (0, 1) (e.g. 0.99; closer to 1 averages more steps), or None.")
+        options = [name for name in ("ema_offload", "save_ema_model", "eval_with_ema") if getattr(self, name)]
+        if options and not self.uses_ema:
+            self._fail(f"{', '.join(options)} need(s) an EMA: set ema_beta in (0, 1), e.g. ema_beta=0.99.")
 
 
 @dataclass

@@ -12,6 +12,7 @@ from ...models.twist import MODULATION_PARAMETERIZATIONS, POLICY_PARAMETERIZATIO
 from ...ops.kl import KL_ESTIMATORS
 from ...rewards import REWARD_TRANSFORMS, RM_TYPES
 from ..common.online_config import TwistTargetConfig
+from ..common.ptx_config import PtxConfigMixin
 
 __all__ = ["HarmlessnessConfig", "ORDERS", "PROPOSAL_LOSS_TYPES", "REWARD_TRANSFORM_NAMES", "RM_TYPE_NAMES"]
 
@@ -25,7 +26,7 @@ REWARD_TRANSFORM_NAMES: tuple[str, ...] = REWARD_TRANSFORMS
 
 
 @dataclass
-class HarmlessnessConfig(TwistTargetConfig):
+class HarmlessnessConfig(PtxConfigMixin, TwistTargetConfig):
     r"""
     Configuration class for [`~trl_ext.HarmlessnessTrainer`], the RePULSe training loop: a policy `p_θ` trained with
     REINFORCE plus a term that pushes down the probability of its own low-reward outputs, found by a learned proposal
@@ -105,6 +106,14 @@ class HarmlessnessConfig(TwistTargetConfig):
         transform_both_sides (`bool`, *optional*, defaults to `False`):
             Also transform the proposal side's reward (before its `rm_type` map). The original transformed only the
             policy side.
+        normalize_reward (`bool`, *optional*, defaults to `False`):
+            Normalise the policy's REINFORCE reward at run time: `r'` (the policy-side reward above: the raw score
+            unless `reward_cap` / `reward_transform`) becomes `(r' - mean) / max(std, 1e-8)` with the running mean
+            and unbiased std of every policy sample's `r'` so far (all processes, this step's included). Only the
+            policy's return changes (and `neg_rewards` of losses that take them, with the same statistics): the
+            target side (`rm_type`, `reward_threshold`, `log φ`, the σ-weights), `p_bad` and `save_negdata` keep
+            reading raw rewards. Logged as `base/reward_mean_running` / `base/reward_std_running`; saved in
+            checkpoints (`reward_normalizer.json`).
         kl_coef (`float`, *optional*, defaults to `0.2`):
             Coefficient `λ` of the KL-to-`p_0` penalty in the policy's return `r' − λ·Σ_t kl_t` (the start value
             when `kl_target` is set).
@@ -154,6 +163,25 @@ class HarmlessnessConfig(TwistTargetConfig):
         push_proposal_to_hub (`bool`, *optional*, defaults to `False`):
             With `push_to_hub`, also upload the proposal (in `proposal/`).
 
+        > Parameters that control the pretraining (ptx) loss (InstructGPT's PPO-ptx, on the policy)
+
+        ptx_coef (`float`, *optional*, defaults to `0.0`):
+            Weight `γ` of a language-modelling loss on `pretrain_dataset` added to the policy's loss: each
+            micro-step adds `ptx_coef × mean token NLL / gradient_accumulation_steps` of one ptx micro-batch, so a
+            policy update sees `ptx_coef ×` the mean NLL of its micro-batches (logged unweighted as `loss/ptx`).
+            The proposal is not affected. `0`: off, the data is never read.
+        ptx_batch_size (`int`, *optional*, defaults to `1`):
+            Pretraining texts per micro-step and process.
+        ptx_max_length (`int`, *optional*, defaults to `512`):
+            Pretraining texts are truncated to this many tokens.
+        pretrain_data (`str`, *optional*):
+            Pretraining texts loaded by `recipes/harmlessness.py` (a Hub id, a folder or a .json/.jsonl/.csv/.parquet
+            file); the trainer takes the dataset itself as `pretrain_dataset=`.
+        pretrain_text_column (`str`, *optional*, defaults to `"text"`):
+            Column of the pretraining dataset holding the text.
+        pretrain_split (`str`, *optional*, defaults to `"train"`):
+            Split of the pretraining dataset to read.
+
         > Parameters that control data and logging
 
         dataset_num_proc (`int`, *optional*):
@@ -163,6 +191,30 @@ class HarmlessnessConfig(TwistTargetConfig):
             `save_negdata_threshold` is appended as `{"prompt", "response", "reward", "step", "source"}`.
         save_negdata_threshold (`float`, *optional*, defaults to `-5.0`):
             Raw-reward threshold of `save_negdata`, also the threshold of the logged `p_bad`.
+
+        > Parameters that control where the frozen models are kept (trl_ext additions)
+
+        ref_offload (`bool`, *optional*, defaults to `False`):
+            Keep the separate frozen reference model on the CPU and move it to the accelerator only for its forward
+            passes (once per rollout): same results, less accelerator memory, extra host-to-device copies. Not under
+            DeepSpeed (use ZeRO-3's `offload_param`).
+        reward_offload (`bool`, *optional*, defaults to `False`):
+            The same for a reward model (an `nn.Module`; nothing to do for reward functions or servers).
+
+        > Parameters that control the EMA of the policy (trl_ext additions)
+
+        ema_beta (`float`, *optional*):
+            Keep an exponential moving average of the policy's trainable weights (the adapters under PEFT):
+            `ema_0` = the initial weights, `ema_t = ema_beta * ema_{t-1} + (1 - ema_beta) * theta_t` after every
+            optimizer step, in fp32. Saved in checkpoints (`ema.safetensors`) and restored on resume. Must be in
+            (0, 1); `None` or `0`: off.
+        ema_offload (`bool`, *optional*, defaults to `False`):
+            Keep the EMA on the CPU instead of the model's device.
+        save_ema_model (`bool`, *optional*, defaults to `False`):
+            The final `save_model` (and the Hub upload) writes the policy's EMA weights in place of its live ones;
+            checkpoints keep the live weights (and the EMA in `ema.safetensors`).
+        eval_with_ema (`bool`, *optional*, defaults to `False`):
+            `evaluate()` samples from the policy's EMA weights (swapped in, then swapped back).
 
     > [!NOTE]
     > Gradient clipping is per model: `max_grad_norm` is applied to the policy's and to the proposal's gradients
@@ -262,6 +314,15 @@ class HarmlessnessConfig(TwistTargetConfig):
     transform_both_sides: bool = field(
         default=False,
         metadata={"help": "Also transform the proposal side's reward before its rm_type map (the original did not)."},
+    )
+    normalize_reward: bool = field(
+        default=False,
+        metadata={
+            "help": "Normalise the policy's REINFORCE reward r' (raw score unless reward_cap / reward_transform) at "
+            "run time: (r' - mean) / max(std, 1e-8) with the running mean and unbiased std of every policy sample's "
+            "r' so far (all processes, this step's included). The target side (rm_type, reward_threshold, log phi, "
+            "sigma-weights), p_bad and save_negdata stay on raw rewards. Saved in checkpoints."
+        },
     )
     kl_coef: float = field(
         default=0.2,

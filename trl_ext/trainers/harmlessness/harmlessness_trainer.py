@@ -50,6 +50,7 @@ from ...rollout.vision import check_vision_models, concat_vision
 from ...utils import eval_mode
 from ..common.metrics import PPOMetrics
 from ..common.online import OnlineTrainerMixin
+from ..common.ptx import build_ptx
 from ..proposal.twist_step import TwistLossOutput, twist_loss
 from .harmlessness_config import HarmlessnessConfig
 from .io import HarmlessnessTrainerIO
@@ -93,6 +94,8 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
             per model (``learning_rate`` for the policy, ``proposal_learning_rate`` for the proposal).
         peft_config: a `peft.PeftConfig`: adapters are added to the policy and to the proposal (which gets its own
             frozen base copy); ``p_0`` is then the policy with its adapters disabled.
+        pretrain_dataset: texts (a ``pretrain_text_column`` column) for the policy's pretraining loss with
+            ``ptx_coef > 0`` (:meth:`compute_ptx_loss`); a dataset dict is read at ``pretrain_split``.
 
     Public hooks for research code: :meth:`rollout`, :meth:`compute_rewards`, :meth:`compute_proposal_loss`,
     :meth:`compute_policy_loss`. Models: :attr:`policy`, :attr:`proposal`.
@@ -134,6 +137,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         callbacks: list | None = None,
         optimizers: tuple = (None, None),
         peft_config=None,
+        pretrain_dataset=None,
     ) -> None:
         if isinstance(eval_dataset, dict):
             raise ValueError(
@@ -183,6 +187,8 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         self._last_weights: torch.Tensor | None = None
         self._kl_accumulator: tuple[float, int, int] = (0.0, 0, 0)  # (Σ base/kl, micro-steps, samples) this update
         self.beta, self.alpha = self._schedule(0)
+        self._ptx = build_ptx(args, pretrain_dataset, self.tokenizer, type(self).__name__)
+        self._last_ptx: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------------------ setup
     def _generator(self, reward: RolloutReward, reference: ReferencePolicy) -> RolloutGenerator:
@@ -196,6 +202,9 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
     def policy(self) -> nn.Module:
         """The policy ``p_θ`` (unwrapped)."""
         return self._wrapper.policy
+
+    def _ema_module(self) -> nn.Module:
+        return self.policy  # ema_beta averages p_θ, not the proposal
 
     @property
     def proposal(self) -> nn.Module | None:
@@ -255,6 +264,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         for _ in range(args.q_steps_per_p_step - 1):
             self._proposal_only_step(model, prompt_ids, prompt_mask, **vision)
         rollouts = self.rollout(model, prompt_ids, prompt_mask, **vision)
+        self._update_policy_reward_normalizer(rollouts.policy)
         rewards = self.compute_rewards(rollouts)
         self._save_negative_data(rollouts)
         q_out = None
@@ -328,9 +338,21 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         if self.args.uses_negative_samples:
             weight_lp = neg_lp.detach() if self.args.disable_dropout else self._policy_logprobs(parts[-1])
         out = self.compute_policy_loss(policy_lp, rollouts, rewards, neg_logprobs=neg_lp, weight_logprobs=weight_lp)
-        self._backward(out.loss * scale + (extra_loss if extra_loss is not None else 0.0))
+        loss = out.loss if self._ptx is None else out.loss + self.compute_ptx_loss()
+        self._backward(loss * scale + (extra_loss if extra_loss is not None else 0.0))
         self._timings["policy_step"] += time.perf_counter() - start
         return out, policy_lp.detach()
+
+    def compute_ptx_loss(self) -> torch.Tensor:
+        """``ptx_coef × NLL``: the policy's mean token NLL on this micro-step's ptx micro-batch
+        (`trl_ext.trainers.common.ptx`), logged as ``loss/ptx``; scaled by ``1/gradient_accumulation_steps`` with the
+        policy loss. The policy runs outside the DDP wrapper (one wrapped forward per backward)."""
+        acc = self.accelerator
+        index = self._ptx.next_index(self.state.global_step, self.args.gradient_accumulation_steps)
+        with acc.autocast():
+            out = self._ptx(self.policy, index, acc.process_index, acc.num_processes, acc.device)
+        self._last_ptx = out.loss.detach()
+        return self._ptx.coef * out.loss
 
     def _backward(self, loss: torch.Tensor) -> None:
         # Losses are already divided by the accumulation steps here; DeepSpeed must not divide again.
@@ -391,13 +413,23 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
             return log_target_weight(shaping.transformed(raw), self.beta).to(raw.device)
         return shaping.log_phi(raw).to(raw.device)
 
+    def _update_policy_reward_normalizer(self, rollout: Rollout) -> None:
+        """With ``normalize_reward``: add the policy samples' ``r'`` (every process's) to the running statistics,
+        once per rollout, before :meth:`compute_rewards` normalises with them; log the statistics."""
+        if self.reward_normalizer is None:
+            return
+        self._update_reward_normalizer(self._policy_shaping.transformed(rollout.scores).to(rollout.scores.device))
+        self._metrics.scalars["base/reward_mean_running"] = self.reward_normalizer.mean
+        self._metrics.scalars["base/reward_std_running"] = self.reward_normalizer.std
+
     def compute_rewards(self, rollouts: HarmlessnessRollouts) -> HarmlessnessRewards:
-        """Raw rewards → the policy's reward ``r'`` (``rlhf`` map, cap, optional transform), its return
+        """Raw rewards → the policy's reward ``r'`` (``rlhf`` map, cap, optional transform; with ``normalize_reward``
+        then ``(r' − mean) / std`` with the running statistics, :meth:`normalized_scores`), its return
         ``r' − kl_coef·Σ_t kl_t`` (KL to ``p_0`` at sampling time, a constant; ``kl_coef`` is the KL controller's
-        current value, fixed unless ``kl_target`` is set) and the target's ``log φ = β·R``
-        of both sample sets (see :class:`HarmlessnessRewards`)."""
+        current value, fixed unless ``kl_target`` is set) and the target's ``log φ = β·R`` of both sample sets, always
+        from the raw rewards (see :class:`HarmlessnessRewards`)."""
         args, p = self.args, rollouts.policy
-        reward = self._policy_shaping.transformed(p.scores).to(p.scores.device)
+        reward = self.normalized_scores(self._policy_shaping.transformed(p.scores).to(p.scores.device))
         kl = kl_estimate(p.logprobs, p.ref_logprobs, args.kl_estimator, p.response_mask)
         kl_coef = self.kl_controller.value
         returns = reward - kl_coef * masked_sum(kl, p.response_mask, dim=-1)
@@ -406,7 +438,8 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         if q is not None:
             out.proposal_log_phi = self._target_log_phi(q.scores)
             if self._needs_neg_rewards:
-                out.proposal_reward = self._policy_shaping.transformed(q.scores).to(q.scores.device)
+                shaped = self._policy_shaping.transformed(q.scores).to(q.scores.device)
+                out.proposal_reward = self.normalized_scores(shaped)  # normalize_reward: the policy's statistics
                 ref0 = self._reference_logprobs(q)
                 q_kl = kl_estimate(q.ref_logprobs, ref0, args.kl_estimator, q.response_mask)
                 out.proposal_return = out.proposal_reward - kl_coef * masked_sum(q_kl, q.response_mask, dim=-1)
@@ -518,6 +551,8 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         weights = self._last_weights if self.args.uses_negative_samples else None
         kl_coef = self.kl_controller.value
         values = step_metrics(self.args, rollouts, rewards, p_out, p_lp, q_out, weights, kl_coef=kl_coef)
+        if self._ptx is not None:
+            values["loss/ptx"] = self._last_ptx
         keys = list(values)
         device = rollouts.policy.scores.device
         stacked = torch.stack([torch.as_tensor(values[k], dtype=torch.float32, device=device) for k in keys])

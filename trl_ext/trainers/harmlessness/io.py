@@ -17,7 +17,7 @@ import torch
 from ...ops import kl_estimate, masked_sum
 from ...rollout.data import left_padded
 from ..common import checkpoint as ckpt
-from ..common.online import forked_rng
+from ..common.online import evaluates_with_ema, forked_rng
 
 __all__ = ["HarmlessnessTrainerIO"]
 
@@ -64,10 +64,12 @@ class HarmlessnessTrainerIO:
 
     # ---------------------------------------------------------------------------------------------- evaluate
     @torch.no_grad()
+    @evaluates_with_ema
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Sample ``num_samples_per_prompt`` responses per eval prompt from the policy and log the mean raw reward
         (``{prefix}_reward``), the fraction below ``save_negdata_threshold`` (``{prefix}_p_bad``) and the KL to
-        ``p_0`` (``{prefix}_kl``). Runs under a forked RNG, so it does not change the training run."""
+        ``p_0`` (``{prefix}_kl``). Runs under a forked RNG, so it does not change the training run. With
+        ``eval_with_ema`` the policy's EMA weights are evaluated."""
         start = time.time()
         dataset = self._eval_prompts(eval_dataset)
         if dataset is None:

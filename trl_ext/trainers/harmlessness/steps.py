@@ -46,7 +46,8 @@ class HarmlessnessRewards:
     """Rewards of one step (:meth:`HarmlessnessTrainer.compute_rewards`). ``(B,)`` per sample unless stated.
 
     Policy side (reward units, the original's "p-maker": ``rm_type="rlhf"``, the cap and the optional transform):
-    ``policy_reward`` ``r'``, ``policy_kl`` ``(B, T)`` the per-token KL estimate against ``p_0`` at sampling time,
+    ``policy_reward`` ``r'`` (with ``normalize_reward``: ``(r' − mean) / std``, running statistics), ``policy_kl``
+    ``(B, T)`` the per-token KL estimate against ``p_0`` at sampling time,
     ``policy_return`` ``r' − λ·Σ_t kl_t`` (a constant for the loss). Target side (``rm_type`` map, ``β`` of this
     step): ``policy_log_phi`` and ``proposal_log_phi`` ``log φ = β·R`` of the raw reward (transformed first with
     ``transform_both_sides``). ``proposal_return``: the proposal samples' return in reward units (``r'`` minus the

@@ -13,6 +13,7 @@ from ...losses import AGGREGATIONS, available_losses, get_loss_spec
 from ...losses.reinforce import BASELINES
 from ...ops.kl import KL_ESTIMATORS
 from ..common.online_config import OnlineConfig
+from ..common.ptx_config import PtxConfigMixin
 
 __all__ = ["PPOConfig", "ACTOR_LOSS_KINDS", "REINFORCE_BASELINES"]
 
@@ -23,7 +24,7 @@ REINFORCE_BASELINES: tuple[str, ...] = ("none", "rloo", "hardcoded")
 
 
 @dataclass
-class PPOConfig(OnlineConfig):
+class PPOConfig(PtxConfigMixin, OnlineConfig):
     r"""
     Configuration class for [`~trl_ext.PPOTrainer`].
 
@@ -98,6 +99,9 @@ class PPOConfig(OnlineConfig):
             Per-token KL estimator: `"k1"`, `"k2"` (trl_ext addition) or `"k3"`.
         whiten_rewards (`bool`, *optional*, defaults to `False`):
             Whether to whiten the rewards.
+        normalize_reward (`bool`, *optional*, defaults to `False`):
+            trl_ext addition. `(score - mean) / max(std, 1e-8)` with the running mean and unbiased std of every score
+            so far (all processes, this rollout's included; saved in checkpoints). `objective/scores` stays raw.
         reward_clip (`float`, *optional*):
             trl_ext addition. Clip scores to `[-reward_clip, reward_clip]` before they enter the rewards.
         score_position (`str`, *optional*, defaults to `"last_token"`):
@@ -152,10 +156,50 @@ class PPOConfig(OnlineConfig):
             trl_ext addition. `"token-mean"` (TRL 1.12's), `"seq-mean-token-mean"` (the RePULSe/OpenRLHF code's) or
             `"seq-mean-token-sum"`.
 
+        > Parameters that control the pretraining (ptx) loss (trl_ext additions; InstructGPT's PPO-ptx)
+
+        ptx_coef (`float`, *optional*, defaults to `0.0`):
+            Weight of a language-modelling loss on `pretrain_dataset`: each micro-step adds `ptx_coef × mean token NLL
+            / gradient_accumulation_steps` of one ptx micro-batch (logged as `loss/ptx`); `0`: off.
+        ptx_batch_size (`int`, *optional*, defaults to `1`):
+            Pretraining texts per micro-step and process.
+        ptx_max_length (`int`, *optional*, defaults to `512`):
+            Pretraining texts are truncated to this many tokens.
+        pretrain_data (`str`, *optional*):
+            Pretraining texts for `recipes/ppo.py` (Hub id, folder or data file); trainers take `pretrain_dataset=`.
+        pretrain_text_column (`str`, *optional*, defaults to `"text"`):
+            Column holding the text.
+        pretrain_split (`str`, *optional*, defaults to `"train"`):
+            Split to read.
+
         > Parameters that control logging and sample generations
 
         num_sample_generations (`int`, *optional*, defaults to `10`):
             Number of sample-completion tables printed during training (on `eval_dataset`; `0`: none).
+
+        > Parameters that control where the frozen models are kept (trl_ext additions)
+
+        ref_offload (`bool`, *optional*, defaults to `False`):
+            Keep the separate frozen reference model on the CPU and move it to the accelerator only for its forward
+            passes (once per rollout): same results, less accelerator memory, extra host-to-device copies. Not under
+            DeepSpeed (use ZeRO-3's `offload_param`).
+        reward_offload (`bool`, *optional*, defaults to `False`):
+            The same for a reward model (an `nn.Module`; nothing to do for reward functions or servers).
+
+        > Parameters that control the EMA of the policy (trl_ext additions)
+
+        ema_beta (`float`, *optional*):
+            Keep an exponential moving average of the policy's trainable weights (the adapters under PEFT):
+            `ema_0` = the initial weights, `ema_t = ema_beta * ema_{t-1} + (1 - ema_beta) * theta_t` after every
+            optimizer step, in fp32. Saved in checkpoints (`ema.safetensors`) and restored on resume. Must be in
+            (0, 1); `None` or `0`: off.
+        ema_offload (`bool`, *optional*, defaults to `False`):
+            Keep the EMA on the CPU instead of the model's device.
+        save_ema_model (`bool`, *optional*, defaults to `False`):
+            The final `save_model` (and the Hub upload) writes the policy's EMA weights in place of its live ones;
+            checkpoints keep the live weights (and the EMA in `ema.safetensors`).
+        eval_with_ema (`bool`, *optional*, defaults to `False`):
+            `evaluate()` and the sample-completion tables use the policy's EMA weights (swapped in, then back).
 
         > Derived batch sizes (set from the others; values passed in are overwritten)
 
@@ -264,6 +308,15 @@ class PPOConfig(OnlineConfig):
         },
     )
     whiten_rewards: bool = field(default=False, metadata={"help": "Whether to whiten the rewards."})
+    normalize_reward: bool = field(
+        default=False,
+        metadata={
+            "help": "Normalise scores at run time: (score - mean) / max(std, 1e-8) with the running mean and unbiased "
+            "std of every score so far (all processes, this rollout included), after missing_eos_penalty and before "
+            "reward_clip. objective/scores stays raw; the statistics are logged (objective/score_mean_running, "
+            "objective/score_std_running) and saved in checkpoints (reward_normalizer.json)."
+        },
+    )
     reward_clip: float | None = field(
         default=None,
         metadata={"help": "Clip scores to [-reward_clip, reward_clip] before they enter the rewards (None: off)."},

@@ -44,7 +44,8 @@ from ..common import checkpoint as ckpt
 from ..common.checks import refuse_same_object
 from ..common.kl_control import AdaptiveKLController
 from ..common.metrics import PPOMetrics, rollout_metrics
-from ..common.online import OnlineTrainerMixin, forked_rng
+from ..common.online import OnlineTrainerMixin, evaluates_with_ema, forked_rng
+from ..common.ptx import build_ptx
 from .compat import TRL112Attributes
 from .experience import Experience, minibatch_counts, padded_lengths, ppo_schedule, schedule_position
 from .policy_value import PolicyAndValueModel, build_ppo_models
@@ -103,6 +104,8 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         optimizers: ``(optimizer, scheduler)``; default: `Trainer`'s, over the policy and the critic together.
         callbacks: extra `TrainerCallback`s.
         peft_config: a `peft.PeftConfig` to train the policy with adapters (the critic is trained fully).
+        pretrain_dataset: texts (a ``pretrain_text_column`` column) for the pretraining loss with ``ptx_coef > 0``
+            (InstructGPT's PPO-ptx, `trl_ext.trainers.common.ptx`); a dataset dict is read at ``pretrain_split``.
 
     Public hooks for research code: :meth:`rollout`, :meth:`compute_rewards`, :meth:`compute_advantages`,
     :meth:`compute_policy_loss`, :meth:`compute_value_loss`.
@@ -142,6 +145,7 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         optimizers: tuple = (None, None),
         callbacks: list | None = None,
         peft_config=None,
+        pretrain_dataset=None,
     ) -> None:
         refuse_same_object(model, ref_model)
         self._begin_setup(args, processing_class, train_dataset, reward_model)
@@ -185,6 +189,7 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         self._micro_step: int | None = None
         self._experience: Experience | None = None
         self._actor_frozen = False
+        self._ptx = build_ptx(args, pretrain_dataset, self.tokenizer, type(self).__name__)
 
     # ------------------------------------------------------------------------------------------------ setup
     def _set_sizes(self, args: PPOConfig, dataset_length: int) -> None:
@@ -234,6 +239,9 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         # trainer state are still restored by `Trainer`.
         wrapper = self.accelerator.unwrap_model(model if model is not None else self.model)
         ckpt.load_policy_and_value(wrapper.policy, wrapper.value_model, resume_from_checkpoint)
+
+    def _ema_module(self) -> nn.Module:
+        return self.accelerator.unwrap_model(self.model).policy  # ema_beta averages the policy, not the critic
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save the policy at ``output_dir`` (HF format, or the adapter under PEFT), the critic in ``value_model/``,
@@ -302,7 +310,11 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         rollout_index = self._micro_step // self._micro_steps_per_rollout
         vision = {"vision": inputs["vision"].to(device)} if inputs.get("vision") is not None else {}
         rollout = self.rollout(model, prompt_ids.to(device), prompt_mask.to(device), **vision)
+        self._update_reward_normalizer(rollout.scores)  # normalize_reward: once per rollout, before its rewards
         rewards = self.compute_rewards(rollout)
+        if self.reward_normalizer is not None:
+            self._metrics.scalars["objective/score_mean_running"] = self.reward_normalizer.mean
+            self._metrics.scalars["objective/score_std_running"] = self.reward_normalizer.std
         self._metrics.scalars["objective/kl_coef"] = self.kl_controller.value  # the coefficient of these rewards
         self._update_kl_controller(rewards.kl, rollout.response_mask)
         advantages, returns = self.compute_advantages(rollout, rewards)
@@ -374,12 +386,13 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         value, :attr:`kl_controller`: ``kl_coef`` unless ``kl_target`` is set) on every response token, plus
         the score (clipped to ``reward_clip``) at the last position of :meth:`score_mask` (the last response token;
         one later with ``score_position="after_last_token"``, `trl_ext.ops.assemble_token_rewards`); whitened (mean
-        kept) over that mask with ``whiten_rewards``."""
+        kept) over that mask with ``whiten_rewards``. With ``normalize_reward`` the score is first normalised with
+        the running statistics (:meth:`normalized_scores`; updated with this rollout's scores before this call)."""
         args, mask = self.args, rollout.response_mask
         kl = kl_estimate(rollout.logprobs, rollout.ref_logprobs, args.kl_estimator, mask)
         score_mask = self.score_mask(mask)
         rewards, non_score = assemble_token_rewards(
-            kl, rollout.scores, score_mask, self.kl_controller.value, clamp=args.reward_clip
+            kl, self.normalized_scores(rollout.scores), score_mask, self.kl_controller.value, clamp=args.reward_clip
         )
         if args.whiten_rewards:
             rewards = masked_whiten(rewards, score_mask, shift_mean=False)
@@ -439,7 +452,9 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
 
         During the critic warm-up (the first ``freezing_actor_steps`` rollouts) the policy loss is computed for the
         metrics but left out of the loss: the policy gets no gradient (``grad`` stays ``None``), so the optimizer
-        skips its parameters — weights, Adam moments and step count unchanged — and only the critic trains."""
+        skips its parameters — weights, Adam moments and step count unchanged — and only the critic trains.
+
+        With ``ptx_coef > 0`` the pretraining term :meth:`compute_ptx_loss` is added (not during the warm-up)."""
         mask = inputs["response_mask"]
         uses_critic = "returns" in inputs
         out = forward_response(
@@ -454,8 +469,25 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
             value = self.compute_value_loss(out.values, inputs, normalizer)
             value_term = self.args.vf_coef * value.loss
             loss = value_term if self._actor_frozen else loss + value_term
+        if self._ptx is not None and not self._actor_frozen:
+            loss = loss + self.compute_ptx_loss(model)
         self._record_step(out.logprobs.detach(), out.entropy, inputs, policy, value)
         return (loss, out) if return_outputs else loss
+
+    def compute_ptx_loss(self, model: nn.Module) -> torch.Tensor:
+        """``ptx_coef × NLL / gradient_accumulation_steps``: ``NLL`` is the policy's mean token NLL on ptx micro-batch
+        number ``micro-step`` of this process (`trl_ext.trainers.common.ptx.PtxLoss`), logged as ``loss/ptx``. The
+        other micro-batch losses are normalised by the whole minibatch, so this division makes an optimizer step see
+        ``ptx_coef ×`` the mean NLL of its micro-batches. The policy runs outside the DDP wrapper (one wrapped forward
+        per backward), under the accelerator's autocast."""
+        accelerator = self.accelerator
+        with accelerator.autocast():
+            out = self._ptx(
+                accelerator.unwrap_model(model).policy, self._micro_step, accelerator.process_index,
+                accelerator.num_processes, accelerator.device,
+            )  # fmt: skip
+        self._metrics.add("loss/ptx", out.loss.detach())
+        return self._ptx.coef * out.loss / self.args.gradient_accumulation_steps
 
     # ----------------------------------------------------------------------------------------------- metrics
     def _record_step(self, logprobs, entropy, inputs, policy: LossOutput, value: LossOutput | None) -> None:
@@ -491,10 +523,12 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
 
     # ----------------------------------------------------------------------------------- samples & evaluation
     @torch.no_grad()
+    @evaluates_with_ema
     def generate_completions(self, sampling: bool = False, dataset=None) -> list[dict] | None:
         """Greedy completions of the eval prompts (or of ``dataset``) with their scores; prints the first rows as a
         table and logs the table to wandb / trackio / comet when they are in ``report_to``. ``sampling=True``: the
-        first batch only. Runs under a forked RNG, so it does not change the training run."""
+        first batch only. Runs under a forked RNG, so it does not change the training run. With ``eval_with_ema``
+        the policy's EMA weights answer (so :meth:`evaluate` uses them too)."""
         dataset = self._eval_prompts(dataset)
         if dataset is None:
             return None

@@ -96,6 +96,30 @@ class ProposalConfig(TwistTargetConfig):
         num_sample_generations (`int`, *optional*, defaults to `0`):
             Number of sample tables (responses of ``q`` on `eval_dataset`) printed during training (`0`: none).
 
+        > Parameters that control where the frozen models are kept (trl_ext additions)
+
+        ref_offload (`bool`, *optional*, defaults to `False`):
+            Keep the separate frozen reference model on the CPU and move it to the accelerator only for its forward
+            passes (once per rollout): same results, less accelerator memory, extra host-to-device copies. Not under
+            DeepSpeed (use ZeRO-3's `offload_param`).
+        reward_offload (`bool`, *optional*, defaults to `False`):
+            The same for a reward model (an `nn.Module`; nothing to do for reward functions or servers).
+
+        > Parameters that control the EMA of the proposal (trl_ext additions)
+
+        ema_beta (`float`, *optional*):
+            Keep an exponential moving average of the proposal's trainable weights (the adapters under PEFT):
+            `ema_0` = the initial weights, `ema_t = ema_beta * ema_{t-1} + (1 - ema_beta) * theta_t` after every
+            optimizer step, in fp32. Saved in checkpoints (`ema.safetensors`) and restored on resume. Must be in
+            (0, 1); `None` or `0`: off.
+        ema_offload (`bool`, *optional*, defaults to `False`):
+            Keep the EMA on the CPU instead of the model's device.
+        save_ema_model (`bool`, *optional*, defaults to `False`):
+            The final `save_model` (and the Hub upload) writes the proposal's EMA weights in place of its live ones;
+            checkpoints keep the live weights (and the EMA in `ema.safetensors`).
+        eval_with_ema (`bool`, *optional*, defaults to `False`):
+            `evaluate()` and the sample-completion tables use the proposal's EMA weights (swapped in, then back).
+
     > [!NOTE]
     > Defaults that differ from [`~transformers.TrainingArguments`]: `learning_rate=3e-5`, `logging_steps=10`,
     > activation checkpointing on, and `bf16` on when `fp16` is off and a GPU is present (off on a CPU-only machine).

@@ -18,6 +18,7 @@ rollouts per optimizer step).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import textwrap
@@ -38,7 +39,7 @@ from ...rollout.generator import ReferencePolicy, Rollout, RolloutReward, genera
 from ..common import checkpoint as ckpt
 from ..common.checks import refuse_same_object
 from ..common.model_parts import add_adapters, shares_parameters
-from ..common.online import OnlineTrainerMixin, forked_rng
+from ..common.online import OnlineTrainerMixin, evaluates_with_ema, forked_rng
 from .metrics import ProposalMetrics, proposal_diagnostics
 from .proposal_config import ProposalConfig
 from .twist_step import TwistLossOutput, twist_loss, validate_twist_setup
@@ -319,17 +320,19 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
         """The twist loss of ``q`` on one rollout (:func:`~trl_ext.trainers.proposal.twist_step.twist_loss` with the
         config's ``parameterization``, ``loss_type``, ``temperature`` and ``loss_aggregation``)."""
         args = self.args
-        return twist_loss(
-            model,
-            batch,
-            num_samples_per_prompt=args.num_samples_per_prompt,
-            parameterization=args.parameterization,
-            loss_type=args.loss_type,
-            temperature=args.temperature,
-            aggregation=args.loss_aggregation,
-            reference_model=self._reference_module() if self._needs.all_vocab else None,
-            base_batch=batch.get("base_batch"),
-        )
+        reference = self._reference_module() if self._needs.all_vocab else None
+        with self.reference.placed() if reference is self.ref_model else contextlib.nullcontext():  # ref_offload
+            return twist_loss(
+                model,
+                batch,
+                num_samples_per_prompt=args.num_samples_per_prompt,
+                parameterization=args.parameterization,
+                loss_type=args.loss_type,
+                temperature=args.temperature,
+                aggregation=args.loss_aggregation,
+                reference_model=reference,
+                base_batch=batch.get("base_batch"),
+            )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The twist loss of the rollout ``inputs`` built by :meth:`training_step`."""
@@ -377,6 +380,7 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
         return self._eval_dataloader(dataset) if dataset is not None else None
 
     @torch.no_grad()
+    @evaluates_with_ema
     def generate_completions(self, dataset=None) -> list[dict] | None:
         """One sampled response of ``q`` per prompt of the first eval batch (or of ``dataset``), with its raw score;
         printed as a table and logged to wandb / trackio / comet when they are in ``report_to``. Runs under a forked
@@ -393,6 +397,7 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
         return self._publish_completions(rows, "Proposal samples")
 
     @torch.no_grad()
+    @evaluates_with_ema
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Sample ``N`` responses of ``q`` per eval prompt and log the averaged :func:`proposal_diagnostics`
         (``{prefix}_proposal/f_q``, ``iwae_bound``, ``kl_q_ref``, ``entropy``, ``log_phi``) and the mean raw reward.
