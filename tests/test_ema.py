@@ -33,6 +33,7 @@ from trl_ext import testing as kit
 from trl_ext.rewards import LexicalReward
 from trl_ext.trainers import ProposalConfig, ProposalTrainer
 from trl_ext.trainers.common.ema import EMA, EMA_NAME, EMACallback, load_ema, save_ema
+from trl_ext.trainers.common.manifest import write_manifest
 
 BETA = 0.6  # far from 1, so that every step's weights matter in the closed form
 
@@ -249,6 +250,7 @@ def test_ppo_ema_is_checkpointed_and_resumed_exactly(
         torch.testing.assert_close(trainable(resumed.model.policy)[name], value, atol=1e-6, rtol=0, msg=name)
 
     os.remove(os.path.join(checkpoint, EMA_NAME))
+    write_manifest(checkpoint)  # as a checkpoint written without an EMA (else the manifest names the missing file)
     again, _ = ppo_ema_trainer(tmp_path / "killed", *dirs, **kwargs)
     with pytest.raises(FileNotFoundError, match=EMA_NAME):
         again.train(resume_from_checkpoint=checkpoint)

@@ -21,12 +21,14 @@ from trl import SFTConfig, SFTTrainer
 from ..losses import get_loss
 from ..models.offload import check_offloadable, on_device
 from .common.model_card import CompleteModelCard
+from .common.resume import VerifiedResumeMixin
+from .common.resume_config import ResumeConfigMixin
 
 __all__ = ["KDConfig", "KDTrainer"]
 
 
 @dataclass
-class KDConfig(SFTConfig):
+class KDConfig(ResumeConfigMixin, SFTConfig):
     r"""
     Configuration class for [`~trl_ext.trainers.kd.KDTrainer`]: TRL's [`~trl.SFTConfig`] plus the teacher and the
     mixing of the two losses. Everything about the data (`dataset_text_field`, `completion_only_loss`, `max_length`,
@@ -55,6 +57,14 @@ class KDConfig(SFTConfig):
         kd_temperature (`float`, *optional*, defaults to `1.0`):
             Temperature ``τ`` applied to both the student's and the teacher's logits inside the KD term only (the NLL
             term uses the raw logits). No ``τ²`` factor is applied; scale `kd_coef` if you want one.
+
+        > Parameters that control resuming (trl_ext additions)
+
+        allow_rng_reset (`bool`, *optional*, defaults to `False`):
+            Resume from a checkpoint that has no RNG state files (`rng_state.pth`, or `rng_state_<rank>.pth` per
+            process) with fresh random-number generators, with a warning (the run then differs from an uninterrupted
+            one). `False`: such a checkpoint is refused. Every checkpoint is checked against its
+            `trl_ext_manifest.json` (size and SHA-256 of each file) before it is loaded.
 
     > [!NOTE]
     > `loss_type` must stay `"nll"` and `label_smoothing_factor` `0`: the mixed loss replaces SFT's own loss variants.
@@ -112,7 +122,7 @@ class KDConfig(SFTConfig):
             )
 
 
-class KDTrainer(CompleteModelCard, SFTTrainer):
+class KDTrainer(CompleteModelCard, VerifiedResumeMixin, SFTTrainer):
     """[`~trl.SFTTrainer`] that adds a distillation term towards a frozen teacher (see [`KDConfig`]).
 
     Args:

@@ -36,6 +36,8 @@ from trl.trainer.utils import pad
 
 from ..losses import get_loss
 from .common.model_card import CompleteModelCard
+from .common.resume import VerifiedResumeMixin
+from .common.resume_config import ResumeConfigMixin
 
 __all__ = [
     "PRMConfig",
@@ -48,7 +50,7 @@ __all__ = [
 
 # ------------------------------------------------------------------------------------------------------ config
 @dataclass
-class PRMConfig(_BaseConfig):
+class PRMConfig(ResumeConfigMixin, _BaseConfig):
     r"""
     Configuration class for [`~trl_ext.trainers.prm.PRMTrainer`]. For the generic training arguments see
     [`~transformers.TrainingArguments`].
@@ -82,6 +84,14 @@ class PRMConfig(_BaseConfig):
             Label only the last step of each solution (outcome supervision); the other markers get `-100`.
         dataset_num_proc (`int`, *optional*):
             Processes used to tokenise the dataset.
+
+        > Parameters that control resuming (trl_ext additions)
+
+        allow_rng_reset (`bool`, *optional*, defaults to `False`):
+            Resume from a checkpoint that has no RNG state files (`rng_state.pth`, or `rng_state_<rank>.pth` per
+            process) with fresh random-number generators, with a warning (the run then differs from an uninterrupted
+            one). `False`: such a checkpoint is refused. Every checkpoint is checked against its
+            `trl_ext_manifest.json` (size and SHA-256 of each file) before it is loaded.
 
     > [!NOTE]
     > Defaults that differ from [`~transformers.TrainingArguments`]: `learning_rate=1e-5`, `logging_steps=10`,
@@ -334,7 +344,7 @@ def _architecture_kind(model) -> str | None:
     return None
 
 
-class PRMTrainer(CompleteModelCard, _BaseTrainer):
+class PRMTrainer(CompleteModelCard, VerifiedResumeMixin, _BaseTrainer):
     """Trains a process reward model on step-labelled solutions (see the module docstring and [`PRMConfig`]).
 
     Args:

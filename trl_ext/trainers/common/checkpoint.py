@@ -16,7 +16,9 @@ Layout of a saved folder (the final `save_model` output and every `checkpoint-N`
 Writes are staged: everything is written to a hidden temporary folder next to the target, then moved into place
 entry by entry with atomic renames. `transformers.Trainer` (5.23) writes ``checkpoint-N`` in place, not through a
 temporary folder, so an interrupted save leaves a partial ``checkpoint-N``; `Trainer` writes
-``trainer_state.json`` last, and :func:`last_complete_checkpoint` only picks checkpoints that have it.
+``trainer_state.json`` last, and :func:`last_complete_checkpoint` only picks checkpoints that have it. After it, the
+trainers add ``trl_ext_manifest.json`` (every file's size and SHA-256, `trl_ext.trainers.common.manifest`), which
+:func:`resolve_resume_checkpoint` checks before anything is loaded; the loaders here name the file they fail on.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 from torch import nn
 
 from ...models.lora import is_peft_model
+from .manifest import MANIFEST_NAME, CheckpointIntegrityError, naming_file, verify_manifest
 
 __all__ = [
     "KL_CONTROLLER_NAME",
@@ -41,6 +44,7 @@ __all__ = [
     "VALUE_MODEL_DIR",
     "is_complete_checkpoint",
     "last_complete_checkpoint",
+    "list_checkpoints",
     "load_kl_controller",
     "load_policy_and_proposal",
     "load_policy_and_value",
@@ -50,6 +54,8 @@ __all__ = [
     "save_policy_and_proposal",
     "save_policy_and_value",
     "save_reward_normalizer",
+    "verify_checkpoint",
+    "weight_files",
 ]
 
 logger = logging.getLogger(__name__)
@@ -149,16 +155,25 @@ def save_policy_and_value(
     )
 
 
+def weight_files(path: str) -> str:
+    """``path`` with the weight files it holds, for error messages (``ckpt/model.safetensors``)."""
+    names = sorted(n for n in os.listdir(path) if n.endswith((".safetensors", ".bin"))) if os.path.isdir(path) else []
+    if not names:
+        return path
+    return os.path.join(path, names[0]) if len(names) == 1 else f"{path} ({', '.join(names)})"
+
+
 def _copy_weights_from_pretrained(model: nn.Module, path: str) -> None:
     """Load the weights saved in ``path`` into ``model`` in place, through the class's own `from_pretrained`
     (which applies transformers' checkpoint key conversions, e.g. GPT-NeoX ``embed_out`` → ``lm_head``)."""
     param = next(model.parameters())
-    if hasattr(type(model), "from_pretrained"):
-        loaded = type(model).from_pretrained(path, dtype=param.dtype)
-    else:  # e.g. an OpenRLHF-style ValueHeadRewardModel critic
-        from ...models.critic import load_critic
+    with naming_file(weight_files(path), f"the weights of {type(model).__name__}"):
+        if hasattr(type(model), "from_pretrained"):
+            loaded = type(model).from_pretrained(path, dtype=param.dtype)
+        else:  # e.g. an OpenRLHF-style ValueHeadRewardModel critic
+            from ...models.critic import load_critic
 
-        loaded = load_critic(path, dtype=param.dtype)
+            loaded = load_critic(path, dtype=param.dtype)
     result = model.load_state_dict(loaded.state_dict(), strict=False)
     if result.missing_keys or result.unexpected_keys:
         raise RuntimeError(
@@ -172,7 +187,8 @@ def load_policy_and_value(policy: nn.Module, value_model: nn.Module | None, chec
     """Restore the policy (full weights, or the LoRA adapter under PEFT) and the critic saved in ``checkpoint_dir``."""
     if is_peft_model(policy):
         adapter = policy.active_adapter if isinstance(policy.active_adapter, str) else policy.active_adapters[0]
-        policy.load_adapter(checkpoint_dir, adapter_name=adapter, is_trainable=True)
+        with naming_file(weight_files(checkpoint_dir), "the LoRA adapter"):
+            policy.load_adapter(checkpoint_dir, adapter_name=adapter, is_trainable=True)
         policy.set_adapter(adapter)
     else:
         _copy_weights_from_pretrained(policy, checkpoint_dir)
@@ -193,46 +209,141 @@ def is_complete_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, TRAINER_STATE_NAME))
 
 
-def last_complete_checkpoint(output_dir: str) -> str | None:
-    """The ``checkpoint-N`` folder of ``output_dir`` with the largest ``N`` that is complete, or ``None``.
-
-    Newer incomplete checkpoints (an interrupted save) are skipped with a warning.
-    """
+def _checkpoint_folders(output_dir: str) -> list[str]:
+    """The ``checkpoint-N`` folders of ``output_dir``, newest (largest ``N``, as a number) first."""
     if not os.path.isdir(output_dir):
-        return None
+        return []
     steps = sorted(
         ((int(m.group(1)), name) for name in os.listdir(output_dir) if (m := _CHECKPOINT_RE.match(name))),
         reverse=True,
     )
-    for _, name in steps:
-        path = os.path.join(output_dir, name)
-        if os.path.isdir(path) and is_complete_checkpoint(path):
+    return [p for _, name in steps if os.path.isdir(p := os.path.join(output_dir, name))]
+
+
+def list_checkpoints(output_dir: str) -> list[str]:
+    """The complete ``checkpoint-N`` folders of ``output_dir`` (with ``trainer_state.json``), oldest first."""
+    return [path for path in reversed(_checkpoint_folders(output_dir)) if is_complete_checkpoint(path)]
+
+
+def last_complete_checkpoint(output_dir: str) -> str | None:
+    """The ``checkpoint-N`` folder of ``output_dir`` with the largest ``N`` that is complete, or ``None``.
+
+    Newer incomplete checkpoints (an interrupted save) are skipped with a warning. Files are not checked against the
+    manifest: :func:`resolve_resume_checkpoint` does that.
+    """
+    for path in _checkpoint_folders(output_dir):
+        if is_complete_checkpoint(path):
             return path
         logger.warning("Skipping %s: it has no %s (an interrupted save).", path, TRAINER_STATE_NAME)
     return None
 
 
+def _other_checkpoints(path: str) -> str:
+    """A sentence naming the other complete checkpoints next to ``path``, for error messages."""
+    parent = os.path.dirname(os.path.normpath(path))
+    others = [os.path.basename(p) for p in list_checkpoints(parent) if os.path.normpath(p) != os.path.normpath(path)]
+    if not others:
+        return f" There is no other complete checkpoint in {parent}."
+    return f" Complete checkpoints in {parent}: {', '.join(others)}."
+
+
+def verify_checkpoint(path: str) -> bool:
+    """Check ``path`` against its ``trl_ext_manifest.json`` (`manifest.verify_manifest`).
+
+    Returns:
+        ``True`` when every listed file matches; ``False``, with a warning, when the checkpoint has no manifest
+        (written by an older trl_ext or by plain TRL / transformers, or interrupted just before the manifest): its
+        files cannot be checked.
+
+    Raises:
+        CheckpointIntegrityError: naming the files that are missing or differ, and the other checkpoints to resume
+            from.
+    """
+    try:
+        verified = verify_manifest(path)
+    except CheckpointIntegrityError as err:
+        raise CheckpointIntegrityError(
+            f"{err} Resume from an earlier checkpoint (resume_from_checkpoint=<folder>, or True for the newest one "
+            f"that verifies).{_other_checkpoints(path)}"
+        ) from None
+    _log_verified(path, verified)
+    return verified
+
+
+def _log_verified(path: str, verified: bool) -> None:
+    if verified:
+        logger.info("Checked every file of %s against its %s.", path, MANIFEST_NAME)
+        return
+    logger.warning(
+        "%s has no %s (written by an older trl_ext or by plain TRL / transformers, or interrupted just before the "
+        "manifest): its files cannot be checked before they are loaded.", path, MANIFEST_NAME,
+    )  # fmt: skip
+
+
+def _has_manifest(path: str) -> bool:
+    """Whether the checkpoint folder ``path`` has a ``trl_ext_manifest.json``."""
+    return os.path.isfile(os.path.join(path, MANIFEST_NAME))
+
+
+def _newest_verified_checkpoint(output_dir: str) -> str:
+    """The newest complete checkpoint of ``output_dir`` whose files match its manifest; see
+    :func:`resolve_resume_checkpoint`."""
+    folders = _checkpoint_folders(output_dir)
+    any_manifest = any(_has_manifest(path) for path in folders)
+    skipped = []
+    for path in folders:
+        if not is_complete_checkpoint(path):
+            reason = f"it has no {TRAINER_STATE_NAME} (an interrupted save)"
+        elif any_manifest and not _has_manifest(path):
+            reason = (
+                f"it has no {MANIFEST_NAME} while other checkpoints here have one (the save was interrupted before "
+                "the manifest was written)"
+            )
+        else:
+            try:
+                verified = verify_manifest(path)
+            except CheckpointIntegrityError as err:
+                reason = str(err)
+            else:
+                _log_verified(path, verified)
+                if skipped:
+                    logger.warning("Resuming from %s, the newest checkpoint that verifies.", path)
+                return path
+        logger.warning("Skipping %s: %s", path, reason)
+        skipped.append(f"{os.path.basename(path)} ({reason})")
+    raise ValueError(
+        f"No complete checkpoint (with {TRAINER_STATE_NAME} and files that match {MANIFEST_NAME}) in {output_dir}"
+        + (f"; skipped: {'; '.join(skipped)}." if skipped else ".")
+    )
+
+
 def resolve_resume_checkpoint(resume_from_checkpoint: str | bool | None, output_dir: str) -> str | None:
     """The checkpoint folder `Trainer.train` should resume from, or ``None`` for a fresh run.
 
-    ``True`` picks the newest *complete* checkpoint of ``output_dir`` (:func:`last_complete_checkpoint`); a path
-    must be a complete checkpoint; anything false (``None``, ``False``, ``""``) means no resume.
+    ``True`` picks the newest *complete* checkpoint of ``output_dir`` whose files match its manifest; older ones are
+    tried in turn, and each one skipped is named in a warning (no ``trainer_state.json``: an interrupted save; files
+    that differ from the manifest; no manifest while other checkpoints of the folder have one: interrupted before
+    the manifest was written). A path must be a complete checkpoint whose files match its manifest. A checkpoint
+    without any manifest (older trl_ext, plain TRL) is used with a warning. Anything false (``None``, ``False``,
+    ``""``) means no resume. The RNG states are checked apart
+    (:func:`~trl_ext.trainers.common.manifest.check_rng_states`).
 
     Raises:
-        ValueError: ``True`` and no complete checkpoint exists, or the path is not a complete checkpoint.
+        ValueError: ``True`` and no checkpoint qualifies, or the path is not a complete checkpoint.
+        CheckpointIntegrityError: (a ``ValueError``) the path's files do not match its manifest; the message names
+            them.
     """
     if resume_from_checkpoint is True:
-        path = last_complete_checkpoint(output_dir)
-        if path is None:
-            raise ValueError(f"No complete checkpoint (with {TRAINER_STATE_NAME}) in {output_dir}.")
-        return path
+        return _newest_verified_checkpoint(output_dir)
     if not resume_from_checkpoint:
         return None
     if not is_complete_checkpoint(resume_from_checkpoint):
         raise ValueError(
             f"{resume_from_checkpoint} is not a complete checkpoint (no {TRAINER_STATE_NAME}; probably interrupted "
             "while saving). Resume from an earlier one, or pass resume_from_checkpoint=True."
+            + _other_checkpoints(resume_from_checkpoint)
         )
+    verify_checkpoint(resume_from_checkpoint)
     return resume_from_checkpoint
 
 
@@ -305,7 +416,7 @@ def load_kl_controller(controller, checkpoint_dir: str) -> None:
             logger.warning("%s has no %s: the adaptive KL coefficient restarts from kl_coef.", checkpoint_dir,
                            KL_CONTROLLER_NAME)  # fmt: skip
         return
-    with open(path, encoding="utf-8") as f:
+    with naming_file(path, "the KL controller"), open(path, encoding="utf-8") as f:
         controller.load_state_dict(json.load(f))
     logger.info("Restored the KL coefficient %.6g from %s.", controller.value, path)
 
@@ -325,6 +436,6 @@ def load_reward_normalizer(normalizer, checkpoint_dir: str) -> None:
         logger.warning("%s has no %s: the running reward statistics (normalize_reward) restart from the next "
                        "rollout.", checkpoint_dir, REWARD_NORMALIZER_NAME)  # fmt: skip
         return
-    with open(path, encoding="utf-8") as f:
+    with naming_file(path, "the running reward statistics"), open(path, encoding="utf-8") as f:
         normalizer.load_state_dict(json.load(f))
     logger.info("Restored the running reward statistics (%r) from %s.", normalizer, path)

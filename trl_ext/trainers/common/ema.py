@@ -35,6 +35,8 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
+from .manifest import naming_file
+
 __all__ = ["EMA", "EMA_NAME", "EMACallback", "load_ema", "save_ema"]
 
 logger = logging.getLogger(__name__)
@@ -214,9 +216,11 @@ def load_ema(ema: EMA, checkpoint_dir: str) -> None:
             f"ema_beta is set but {path} does not exist: the checkpoint was written without an EMA. Resume without "
             "ema_beta, or start a fresh run to average from its initial weights."
         )
-    with safe_open(path, framework="pt") as f:
-        metadata = f.metadata() or {}
-    state = {"shadow": load_file(path), "num_updates": metadata.get("num_updates", 0), "beta": metadata.get("beta")}
+    with naming_file(path, "the EMA of the weights"):
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata() or {}
+        shadow = load_file(path)
+    state = {"shadow": shadow, "num_updates": metadata.get("num_updates", 0), "beta": metadata.get("beta")}
     ema.load_state_dict(state)
     logger.info("Restored the EMA (%d updates) from %s.", ema.num_updates, path)
 

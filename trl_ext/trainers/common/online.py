@@ -5,9 +5,9 @@ Each of the three trains on responses it samples itself from prompt batches, so 
 check the inputs and the tokenizer, seed before building models, tokenise the prompt datasets, put the frozen
 reference and reward model next to the trained module, build the sampling settings and the rollout generator, hand
 `Trainer` a dataloader of prompt batches (:class:`~trl_ext.rollout.data.RolloutSampler`), resolve
-``resume_from_checkpoint`` to a *complete* checkpoint, keep an EMA of the trained weights (``ema_beta``, `ema.py`), and
-save their models in HF format with a model card. Those steps are written here once; each trainer keeps its own
-models, losses and metrics.
+``resume_from_checkpoint`` to a *complete* checkpoint whose files match its manifest (`resume.py`), keep an EMA of
+the trained weights (``ema_beta``, `ema.py`), and save their models in HF format with a model card. Those steps are
+written here once; each trainer keeps its own models, losses and metrics.
 
 The mixin goes before `_BaseTrainer` in the bases (``class PPOTrainer(OnlineTrainerMixin, _BaseTrainer)``) and
 expects ``self.tokenizer``, ``self.reference``, ``self.ref_model`` and ``self.reward_model`` to be set.
@@ -44,6 +44,7 @@ from .ema import EMA, EMACallback, load_ema, save_ema
 from .kl_control import build_kl_controller
 from .metrics import log_completions_table, print_completions_table
 from .model_card import CompleteModelCard, write_text_atomically
+from .resume import VerifiedResumeMixin
 from .reward_norm import RunningMoments
 
 __all__ = ["OnlineTrainerMixin", "evaluates_with_ema", "forked_rng", "hub_push_errors"]
@@ -102,7 +103,7 @@ def hub_push_errors(trainer, creating: bool = False) -> Iterator[None]:
         ) from err
 
 
-class OnlineTrainerMixin(CompleteModelCard, abc.ABC):
+class OnlineTrainerMixin(CompleteModelCard, VerifiedResumeMixin, abc.ABC):
     """Setup, data, resume and save steps shared by the online trainers (see the module docs)."""
 
     _config_class: type = object
@@ -315,14 +316,16 @@ class OnlineTrainerMixin(CompleteModelCard, abc.ABC):
         return self.accelerator.prepare(loader)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        """`Trainer.train`; ``resume_from_checkpoint=True`` picks the newest *complete* checkpoint."""
+        """`Trainer.train`; ``resume_from_checkpoint=True`` picks the newest *complete* checkpoint whose files match
+        its manifest, and a checkpoint without RNG states is refused unless ``allow_rng_reset``
+        (:meth:`~trl_ext.trainers.common.resume.VerifiedResumeMixin.verified_resume_checkpoint`)."""
         if not any(p.requires_grad for p in self.model.parameters()):
             raise ValueError(
                 "No trainable parameter: every weight of the trained model(s) has requires_grad=False (frozen before "
                 "it was passed in, e.g. by `model.requires_grad_(False)` or a loaded eval copy). Unfreeze what should "
                 "train (`model.requires_grad_(True)`, or the top blocks only), or pass peft_config to train adapters."
             )
-        resume_from_checkpoint = ckpt.resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        resume_from_checkpoint = self.verified_resume_checkpoint(resume_from_checkpoint)
         if resume_from_checkpoint is None:
             # Each process samples with its own seed (the same seed would draw the same random numbers everywhere).
             torch.manual_seed(self.args.seed + 100003 * self.accelerator.process_index)

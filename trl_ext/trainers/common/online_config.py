@@ -24,6 +24,7 @@ from trl.trainer.base_config import _BaseConfig
 
 from ...losses import AGGREGATIONS
 from ...rewards import RM_TYPES
+from .resume_config import ResumeConfigMixin
 
 __all__ = ["OnlineConfig", "TwistTargetConfig"]
 
@@ -38,7 +39,7 @@ def _has_accelerator() -> bool:
 
 
 @dataclass
-class OnlineConfig(_BaseConfig):
+class OnlineConfig(ResumeConfigMixin, _BaseConfig):
     r"""
     Options shared by the configurations of the online trainers ([`~trl_ext.PPOTrainer`],
     [`~trl_ext.ProposalTrainer`], [`~trl_ext.HarmlessnessTrainer`]); see each of them for the full list.
@@ -97,6 +98,14 @@ class OnlineConfig(_BaseConfig):
             the live ones; checkpoints keep the live weights (and the EMA in `ema.safetensors`).
         eval_with_ema (`bool`, *optional*, defaults to `False`):
             `evaluate()` and the sample-completion tables use the EMA weights (swapped in, then swapped back).
+
+        > Parameters that control resuming (trl_ext additions)
+
+        allow_rng_reset (`bool`, *optional*, defaults to `False`):
+            Resume from a checkpoint that has no RNG state files (`rng_state.pth`, or `rng_state_<rank>.pth` per
+            process) with fresh random-number generators, with a warning (the run then differs from an uninterrupted
+            one). `False`: such a checkpoint is refused. Every checkpoint is checked against its
+            `trl_ext_manifest.json` (size and SHA-256 of each file) before it is loaded.
 
     > [!NOTE]
     > Defaults that differ from [`~transformers.TrainingArguments`]: `logging_steps=10`, activation checkpointing on,

@@ -216,6 +216,14 @@ class HarmlessnessConfig(PtxConfigMixin, TwistTargetConfig):
         eval_with_ema (`bool`, *optional*, defaults to `False`):
             `evaluate()` samples from the policy's EMA weights (swapped in, then swapped back).
 
+        > Parameters that control resuming (trl_ext additions)
+
+        allow_rng_reset (`bool`, *optional*, defaults to `False`):
+            Resume from a checkpoint that has no RNG state files (`rng_state.pth`, or `rng_state_<rank>.pth` per
+            process) with fresh random-number generators, with a warning (the run then differs from an uninterrupted
+            one). `False`: such a checkpoint is refused. Every checkpoint is checked against its
+            `trl_ext_manifest.json` (size and SHA-256 of each file) before it is loaded.
+
     > [!NOTE]
     > Gradient clipping is per model: `max_grad_norm` is applied to the policy's and to the proposal's gradients
     > separately (the trainer clips and steps the proposal itself with `order="q_then_p"`, the policy with

@@ -201,6 +201,14 @@ class PPOConfig(PtxConfigMixin, OnlineConfig):
         eval_with_ema (`bool`, *optional*, defaults to `False`):
             `evaluate()` and the sample-completion tables use the policy's EMA weights (swapped in, then back).
 
+        > Parameters that control resuming (trl_ext additions)
+
+        allow_rng_reset (`bool`, *optional*, defaults to `False`):
+            Resume from a checkpoint that has no RNG state files (`rng_state.pth`, or `rng_state_<rank>.pth` per
+            process) with fresh random-number generators, with a warning (the run then differs from an uninterrupted
+            one). `False`: such a checkpoint is refused. Every checkpoint is checked against its
+            `trl_ext_manifest.json` (size and SHA-256 of each file) before it is loaded.
+
         > Derived batch sizes (set from the others; values passed in are overwritten)
 
         world_size (`int`): number of processes. local_batch_size (`int`): `per_device_train_batch_size ×

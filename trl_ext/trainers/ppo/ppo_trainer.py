@@ -43,6 +43,7 @@ from ...rollout.vision import check_vision_critic, check_vision_models
 from ..common import checkpoint as ckpt
 from ..common.checks import refuse_same_object
 from ..common.kl_control import AdaptiveKLController
+from ..common.manifest import naming_file
 from ..common.metrics import PPOMetrics, rollout_metrics
 from ..common.online import OnlineTrainerMixin, evaluates_with_ema, forked_rng
 from ..common.ptx import build_ptx
@@ -297,7 +298,8 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
                 f"Step {self.state.global_step} is in the middle of a rollout, but {path} is missing: resume from a "
                 "checkpoint written by trl_ext's PPOTrainer (it saves the rollout in progress)."
             )
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with naming_file(path, "the rollout in progress"):
+            state = torch.load(path, map_location="cpu", weights_only=True)
         self._experience = Experience.from_state_dict(state, self.accelerator.device)
         self._training_time = 0.0
         logger.info("Resumed in the middle of a rollout from %s.", path)

@@ -19,6 +19,8 @@ import torch
 import trl
 
 from ..common.model_card import CompleteModelCard
+from ..common.resume import VerifiedResumeMixin
+from ..common.resume_config import ResumeConfigMixin
 from .common import (
     _DUPLICATES_TRL_LOSS,
     ExtraLoss,
@@ -38,7 +40,7 @@ _NON_MODEL_KEYS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
 
 
 @dataclass
-class DPOConfig(ExtraLossArguments, trl.DPOConfig):
+class DPOConfig(ExtraLossArguments, ResumeConfigMixin, trl.DPOConfig):
     r"""
     Configuration class for trl_ext's [`DPOTrainer`]: every parameter of TRL's `trl.DPOConfig` (same names, defaults
     and meaning) plus an extra loss. For the generic training arguments see [`~transformers.TrainingArguments`].
@@ -74,6 +76,14 @@ class DPOConfig(ExtraLossArguments, trl.DPOConfig):
             Give the extra loss per-token averaged completion log-probs instead of sums (TRL's IPO convention).
         extra_loss_kwargs (`dict`, *optional*):
             Further keyword arguments of the extra loss (a JSON object on the command line).
+
+        > Parameters that control resuming (trl_ext additions)
+
+        allow_rng_reset (`bool`, *optional*, defaults to `False`):
+            Resume from a checkpoint that has no RNG state files (`rng_state.pth`, or `rng_state_<rank>.pth` per
+            process) with fresh random-number generators, with a warning (the run then differs from an uninterrupted
+            one). `False`: such a checkpoint is refused. Every checkpoint is checked against its
+            `trl_ext_manifest.json` (size and SHA-256 of each file) before it is loaded.
     """
 
     extra_loss_only: bool = field(
@@ -153,7 +163,7 @@ def _fill_missing_chosen(dataset, name: str, extra: ExtraLoss | None, extra_only
     return dataset.map(fill), "all" if none_at_all else "some"
 
 
-class DPOTrainer(CompleteModelCard, ExtraLossLogging, trl.DPOTrainer):
+class DPOTrainer(CompleteModelCard, ExtraLossLogging, VerifiedResumeMixin, trl.DPOTrainer):
     """`trl.DPOTrainer` with an optional extra loss from `trl_ext.losses` and support for rejected-only data.
 
     Arguments are those of `trl.DPOTrainer`; ``args`` is a trl_ext [`DPOConfig`] (a plain `trl.DPOConfig` works too,

@@ -15,6 +15,8 @@ import torch
 import trl
 
 from ..common.model_card import CompleteModelCard
+from ..common.resume import VerifiedResumeMixin
+from ..common.resume_config import ResumeConfigMixin
 from .common import (
     ExtraLoss,
     ExtraLossArguments,
@@ -28,7 +30,7 @@ __all__ = ["KTOConfig", "KTOTrainer"]
 
 
 @dataclass
-class KTOConfig(ExtraLossArguments, trl.KTOConfig):
+class KTOConfig(ExtraLossArguments, ResumeConfigMixin, trl.KTOConfig):
     r"""
     Configuration class for trl_ext's [`KTOTrainer`]: every parameter of TRL's `trl.KTOConfig` (same names, defaults
     and meaning) plus an extra loss on the undesirable completions. For the generic training arguments see
@@ -60,6 +62,14 @@ class KTOConfig(ExtraLossArguments, trl.KTOConfig):
             Give the extra loss per-token averaged completion log-probs instead of sums.
         extra_loss_kwargs (`dict`, *optional*):
             Further keyword arguments of the extra loss (a JSON object on the command line).
+
+        > Parameters that control resuming (trl_ext additions)
+
+        allow_rng_reset (`bool`, *optional*, defaults to `False`):
+            Resume from a checkpoint that has no RNG state files (`rng_state.pth`, or `rng_state_<rank>.pth` per
+            process) with fresh random-number generators, with a warning (the run then differs from an uninterrupted
+            one). `False`: such a checkpoint is refused. Every checkpoint is checked against its
+            `trl_ext_manifest.json` (size and SHA-256 of each file) before it is loaded.
     """
 
     def __post_init__(self):
@@ -67,7 +77,7 @@ class KTOConfig(ExtraLossArguments, trl.KTOConfig):
         self._check_extra_loss(needs_rejected_only=True, trainer="KTOTrainer")
 
 
-class KTOTrainer(CompleteModelCard, ExtraLossLogging, trl.KTOTrainer):
+class KTOTrainer(CompleteModelCard, ExtraLossLogging, VerifiedResumeMixin, trl.KTOTrainer):
     """`trl.KTOTrainer` with an optional extra loss on the undesirable rows.
 
     Arguments are those of `trl.KTOTrainer`; ``args`` is a trl_ext [`KTOConfig`] (a plain `trl.KTOConfig` works

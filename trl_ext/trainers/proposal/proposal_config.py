@@ -120,6 +120,14 @@ class ProposalConfig(TwistTargetConfig):
         eval_with_ema (`bool`, *optional*, defaults to `False`):
             `evaluate()` and the sample-completion tables use the proposal's EMA weights (swapped in, then back).
 
+        > Parameters that control resuming (trl_ext additions)
+
+        allow_rng_reset (`bool`, *optional*, defaults to `False`):
+            Resume from a checkpoint that has no RNG state files (`rng_state.pth`, or `rng_state_<rank>.pth` per
+            process) with fresh random-number generators, with a warning (the run then differs from an uninterrupted
+            one). `False`: such a checkpoint is refused. Every checkpoint is checked against its
+            `trl_ext_manifest.json` (size and SHA-256 of each file) before it is loaded.
+
     > [!NOTE]
     > Defaults that differ from [`~transformers.TrainingArguments`]: `learning_rate=3e-5`, `logging_steps=10`,
     > activation checkpointing on, and `bf16` on when `fp16` is off and a GPU is present (off on a CPU-only machine).
