@@ -20,13 +20,14 @@ from trl import SFTConfig, SFTTrainer
 
 from ..losses import get_loss
 from ..models.offload import check_offloadable, on_device
+from .common.finite import FiniteStepsArguments, FiniteStepsMixin
 from .common.model_card import CompleteModelCard
 
 __all__ = ["KDConfig", "KDTrainer"]
 
 
 @dataclass
-class KDConfig(SFTConfig):
+class KDConfig(FiniteStepsArguments, SFTConfig):
     r"""
     Configuration class for [`~trl_ext.trainers.kd.KDTrainer`]: TRL's [`~trl.SFTConfig`] plus the teacher and the
     mixing of the two losses. Everything about the data (`dataset_text_field`, `completion_only_loss`, `max_length`,
@@ -55,6 +56,12 @@ class KDConfig(SFTConfig):
         kd_temperature (`float`, *optional*, defaults to `1.0`):
             Temperature ``τ`` applied to both the student's and the teacher's logits inside the KD term only (the NLL
             term uses the raw logits). No ``τ²`` factor is applied; scale `kd_coef` if you want one.
+
+        > Parameters that control non-finite steps (trl_ext addition)
+
+        max_consecutive_skipped_steps (`int`, *optional*, defaults to `10`):
+            An optimizer step whose loss or gradients hold NaN/inf is skipped (weights and optimizer state unchanged,
+            logged as `nonfinite/skipped_steps`); more than this many in a row stop the run. `0`: stop at the first.
 
     > [!NOTE]
     > `loss_type` must stay `"nll"` and `label_smoothing_factor` `0`: the mixed loss replaces SFT's own loss variants.
@@ -112,7 +119,7 @@ class KDConfig(SFTConfig):
             )
 
 
-class KDTrainer(CompleteModelCard, SFTTrainer):
+class KDTrainer(CompleteModelCard, FiniteStepsMixin, SFTTrainer):
     """[`~trl.SFTTrainer`] that adds a distillation term towards a frozen teacher (see [`KDConfig`]).
 
     Args:

@@ -35,6 +35,7 @@ from trl.trainer.base_trainer import _BaseTrainer
 from trl.trainer.utils import pad
 
 from ..losses import get_loss
+from .common.finite import FiniteStepsArguments, FiniteStepsMixin
 from .common.model_card import CompleteModelCard
 
 __all__ = [
@@ -48,7 +49,7 @@ __all__ = [
 
 # ------------------------------------------------------------------------------------------------------ config
 @dataclass
-class PRMConfig(_BaseConfig):
+class PRMConfig(FiniteStepsArguments, _BaseConfig):
     r"""
     Configuration class for [`~trl_ext.trainers.prm.PRMTrainer`]. For the generic training arguments see
     [`~transformers.TrainingArguments`].
@@ -82,6 +83,12 @@ class PRMConfig(_BaseConfig):
             Label only the last step of each solution (outcome supervision); the other markers get `-100`.
         dataset_num_proc (`int`, *optional*):
             Processes used to tokenise the dataset.
+
+        > Parameters that control non-finite steps
+
+        max_consecutive_skipped_steps (`int`, *optional*, defaults to `10`):
+            An optimizer step whose loss or gradients hold NaN/inf is skipped (weights and optimizer state unchanged,
+            logged as `nonfinite/skipped_steps`); more than this many in a row stop the run. `0`: stop at the first.
 
     > [!NOTE]
     > Defaults that differ from [`~transformers.TrainingArguments`]: `learning_rate=1e-5`, `logging_steps=10`,
@@ -334,7 +341,7 @@ def _architecture_kind(model) -> str | None:
     return None
 
 
-class PRMTrainer(CompleteModelCard, _BaseTrainer):
+class PRMTrainer(CompleteModelCard, FiniteStepsMixin, _BaseTrainer):
     """Trains a process reward model on step-labelled solutions (see the module docstring and [`PRMConfig`]).
 
     Args:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import trl
 
+from ..common.finite import FiniteStepsArguments, FiniteStepsMixin
 from ..common.model_card import CompleteModelCard
 from .common import (
     _DUPLICATES_TRL_LOSS,
@@ -38,7 +39,7 @@ _NON_MODEL_KEYS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
 
 
 @dataclass
-class DPOConfig(ExtraLossArguments, trl.DPOConfig):
+class DPOConfig(FiniteStepsArguments, ExtraLossArguments, trl.DPOConfig):
     r"""
     Configuration class for trl_ext's [`DPOTrainer`]: every parameter of TRL's `trl.DPOConfig` (same names, defaults
     and meaning) plus an extra loss. For the generic training arguments see [`~transformers.TrainingArguments`].
@@ -74,6 +75,12 @@ class DPOConfig(ExtraLossArguments, trl.DPOConfig):
             Give the extra loss per-token averaged completion log-probs instead of sums (TRL's IPO convention).
         extra_loss_kwargs (`dict`, *optional*):
             Further keyword arguments of the extra loss (a JSON object on the command line).
+
+        > Parameters that control non-finite steps (trl_ext addition)
+
+        max_consecutive_skipped_steps (`int`, *optional*, defaults to `10`):
+            An optimizer step whose loss or gradients hold NaN/inf is skipped (weights and optimizer state unchanged,
+            logged as `nonfinite/skipped_steps`); more than this many in a row stop the run. `0`: stop at the first.
     """
 
     extra_loss_only: bool = field(
@@ -153,7 +160,7 @@ def _fill_missing_chosen(dataset, name: str, extra: ExtraLoss | None, extra_only
     return dataset.map(fill), "all" if none_at_all else "some"
 
 
-class DPOTrainer(CompleteModelCard, ExtraLossLogging, trl.DPOTrainer):
+class DPOTrainer(CompleteModelCard, ExtraLossLogging, FiniteStepsMixin, trl.DPOTrainer):
     """`trl.DPOTrainer` with an optional extra loss from `trl_ext.losses` and support for rejected-only data.
 
     Arguments are those of `trl.DPOTrainer`; ``args`` is a trl_ext [`DPOConfig`] (a plain `trl.DPOConfig` works too,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import trl
 
+from ..common.finite import FiniteStepsArguments, FiniteStepsMixin
 from ..common.model_card import CompleteModelCard
 from .common import (
     ExtraLoss,
@@ -28,7 +29,7 @@ __all__ = ["KTOConfig", "KTOTrainer"]
 
 
 @dataclass
-class KTOConfig(ExtraLossArguments, trl.KTOConfig):
+class KTOConfig(FiniteStepsArguments, ExtraLossArguments, trl.KTOConfig):
     r"""
     Configuration class for trl_ext's [`KTOTrainer`]: every parameter of TRL's `trl.KTOConfig` (same names, defaults
     and meaning) plus an extra loss on the undesirable completions. For the generic training arguments see
@@ -60,6 +61,12 @@ class KTOConfig(ExtraLossArguments, trl.KTOConfig):
             Give the extra loss per-token averaged completion log-probs instead of sums.
         extra_loss_kwargs (`dict`, *optional*):
             Further keyword arguments of the extra loss (a JSON object on the command line).
+
+        > Parameters that control non-finite steps (trl_ext addition)
+
+        max_consecutive_skipped_steps (`int`, *optional*, defaults to `10`):
+            An optimizer step whose loss or gradients hold NaN/inf is skipped (weights and optimizer state unchanged,
+            logged as `nonfinite/skipped_steps`); more than this many in a row stop the run. `0`: stop at the first.
     """
 
     def __post_init__(self):
@@ -67,7 +74,7 @@ class KTOConfig(ExtraLossArguments, trl.KTOConfig):
         self._check_extra_loss(needs_rejected_only=True, trainer="KTOTrainer")
 
 
-class KTOTrainer(CompleteModelCard, ExtraLossLogging, trl.KTOTrainer):
+class KTOTrainer(CompleteModelCard, ExtraLossLogging, FiniteStepsMixin, trl.KTOTrainer):
     """`trl.KTOTrainer` with an optional extra loss on the undesirable rows.
 
     Arguments are those of `trl.KTOTrainer`; ``args`` is a trl_ext [`KTOConfig`] (a plain `trl.KTOConfig` works
