@@ -46,7 +46,7 @@ REWARD_TRANSFORMS: tuple[str, ...] = ("minus_alpha_exp_beta_r", "minus_alpha_ind
 
 
 def _as_float_tensor(raw, name: str = "raw") -> torch.Tensor:
-    """``raw`` as an fp32 tensor (a copy, never a view of the caller's tensor); NaN is refused."""
+    """``raw`` as an fp32 tensor (a copy, never a view of the caller's tensor); NaN and ±inf are refused."""
     if isinstance(raw, torch.Tensor):
         tensor = raw.detach().to(torch.float32).clone()
     else:
@@ -56,11 +56,15 @@ def _as_float_tensor(raw, name: str = "raw") -> torch.Tensor:
             raise TypeError(
                 f"`{name}` must be a tensor or a list of numbers, got {type(raw).__name__}: {err}"
             ) from None
-    if tensor.is_floating_point() and torch.isnan(tensor).any():
-        rows = torch.nonzero(torch.isnan(tensor).reshape(-1)).reshape(-1)[:5].tolist()
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        flat = tensor.reshape(-1)
+        rows = torch.nonzero(~torch.isfinite(flat)).reshape(-1)
+        shown = ", ".join(f"{int(i)}: {float(flat[i])}" for i in rows[:5])
+        more = ", ..." if len(rows) > 5 else ""
         raise ValueError(
-            f"`{name}` holds NaN scores (flat positions {rows}...); fix the reward model or function that produced "
-            "them before shaping (a NaN reward would silently corrupt training)."
+            f"`{name}` holds {len(rows)} non-finite (NaN or ±inf) score(s) (flat position: value {shown}{more}); fix "
+            "the reward model or function that produced them before shaping (a NaN or infinite reward would silently "
+            "corrupt training: exp(β·R) and the importance weights become NaN)."
         )
     return tensor
 

@@ -6,6 +6,7 @@ trainers (`trl_ext.trainers`), held-out evaluation and attacks (`trl_ext.eval`) 
   `forward_response`, `RolloutReward`, `SamplingSettings`;
 - `sampling`: the inverse-CDF sampler that records the log-probs it sampled from;
 - `reference`: `ReferencePolicy` (a separate model, or the policy with its adapters disabled);
+- `finite`: the check of every rollout's rewards for NaN / ±inf (`nonfinite_rewards`: raise, or drop the samples);
 - `data`: prompt datasets, the left-padding collator and the rollout sampler;
 - `negdata`: reading and writing negative-data JSONL;
 - `vision`: image inputs of vision-language policies.

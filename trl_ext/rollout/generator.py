@@ -14,7 +14,8 @@ One rollout, for a batch of left-padded prompts:
    :func:`forward_response`, the function the trainers use for their loss — both agree with the training-time
    log-probs to ~1e-6), the reference's log-probs (:class:`ReferencePolicy`), the values (when the model has a
    critic) and the scores (:class:`RolloutReward`);
-5. subtract ``missing_eos_penalty`` from the scores of responses without a stop token.
+5. subtract ``missing_eos_penalty`` from the scores of responses without a stop token;
+6. screen the scores for NaN / ±inf (``nonfinite_rewards``: raise, or drop those samples; :mod:`.finite`).
 
 The result is a :class:`Rollout`. No maths here beyond calling :mod:`trl_ext.ops`.
 """
@@ -39,6 +40,7 @@ from ..models.value_head import AutoModelForCausalLMWithValueHead
 from ..ops.logprobs import DEFAULT_CHUNK_SIZE, logprobs_from_logits
 from ..ops.sequences import position_ids_from_attention_mask, truncate_after_stop_token
 from ..utils import eval_mode
+from .finite import screen_rewards
 from .reference import ReferencePolicy
 from .sampling import SampleAndRecord
 from .vision import VisionInputs, add_vision_inputs, generation_inputs, reward_images
@@ -91,6 +93,8 @@ class Rollout:
     """Seconds spent in ``generation`` and ``scoring``."""
     vision: VisionInputs | None = None
     """The rows' image inputs (vision-language policies, see :mod:`~trl_ext.rollout.vision`), else ``None``."""
+    dropped: torch.Tensor | None = None
+    """``(B,)`` bool: rows given zero weight (a non-finite reward, ``nonfinite_rewards="drop"``); ``None``: none."""
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -447,6 +451,8 @@ class RolloutGenerator:
             :class:`~trl_ext.rollout.sampling.SampleAndRecord`) instead of a separate forward pass. Only used when
             the policy computes in fp32 without mixed precision: in 16-bit, cached decoding and a full forward pass
             differ by more than the PPO ratio tolerates, so the forward pass is kept there.
+        nonfinite_rewards: ``"error"`` raises on a NaN / ±inf score, ``"drop"`` gives those samples zero weight
+            (:func:`~trl_ext.rollout.finite.screen_rewards`).
     """
 
     def __init__(
@@ -463,9 +469,10 @@ class RolloutGenerator:
         gradient_checkpointing_kwargs: dict | None = None,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         logprobs_from_generation: bool = True,
+        nonfinite_rewards: str = "error",
     ):
         self.settings, self.reward, self.reference = settings, reward, reference
-        self.logprobs_from_generation = logprobs_from_generation
+        self.logprobs_from_generation, self.nonfinite_rewards = logprobs_from_generation, nonfinite_rewards
         self.forward_batch_size, self.accelerator = int(forward_batch_size), accelerator
         self.missing_eos_penalty, self.policy_of, self.with_values = missing_eos_penalty, policy_of, with_values
         self.gather_deepspeed3_params = gather_deepspeed3_params
@@ -574,7 +581,7 @@ class RolloutGenerator:
         scores = torch.cat(parts["scores"])
         if self.missing_eos_penalty is not None:
             scores = torch.where(contains_stop, scores, scores - self.missing_eos_penalty)
-        return Rollout(
+        rollout = Rollout(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
             response_ids=responses,
@@ -588,3 +595,6 @@ class RolloutGenerator:
             timings={"generation": generation_time, "scoring": time.perf_counter() - start},
             vision=vision,
         )
+        many = self.accelerator is not None and self.accelerator.num_processes > 1
+        reduce = (lambda count: self.accelerator.reduce(count, reduction="sum")) if many else None
+        return screen_rewards(rollout, self.nonfinite_rewards, getattr(self.reward, "tokenizer", None), reduce)

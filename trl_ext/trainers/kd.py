@@ -20,6 +20,7 @@ from trl import SFTConfig, SFTTrainer
 
 from ..losses import get_loss
 from ..models.offload import check_offloadable, on_device
+from .common.finite import FiniteStepsArguments, FiniteStepsMixin
 from .common.model_card import CompleteModelCard
 from .common.resume import VerifiedResumeMixin
 from .common.resume_config import ResumeConfigMixin
@@ -28,7 +29,7 @@ __all__ = ["KDConfig", "KDTrainer"]
 
 
 @dataclass
-class KDConfig(ResumeConfigMixin, SFTConfig):
+class KDConfig(FiniteStepsArguments, ResumeConfigMixin, SFTConfig):
     r"""
     Configuration class for [`~trl_ext.trainers.kd.KDTrainer`]: TRL's [`~trl.SFTConfig`] plus the teacher and the
     mixing of the two losses. Everything about the data (`dataset_text_field`, `completion_only_loss`, `max_length`,
@@ -65,6 +66,12 @@ class KDConfig(ResumeConfigMixin, SFTConfig):
             process) with fresh random-number generators, with a warning (the run then differs from an uninterrupted
             one). `False`: such a checkpoint is refused. Every checkpoint is checked against its
             `trl_ext_manifest.json` (size and SHA-256 of each file) before it is loaded.
+
+        > Parameters that control non-finite steps (trl_ext addition)
+
+        max_consecutive_skipped_steps (`int`, *optional*, defaults to `10`):
+            An optimizer step whose loss or gradients hold NaN/inf is skipped (weights and optimizer state unchanged,
+            logged as `nonfinite/skipped_steps`); more than this many in a row stop the run. `0`: stop at the first.
 
     > [!NOTE]
     > `loss_type` must stay `"nll"` and `label_smoothing_factor` `0`: the mixed loss replaces SFT's own loss variants.
@@ -122,7 +129,7 @@ class KDConfig(ResumeConfigMixin, SFTConfig):
             )
 
 
-class KDTrainer(CompleteModelCard, VerifiedResumeMixin, SFTTrainer):
+class KDTrainer(CompleteModelCard, FiniteStepsMixin, VerifiedResumeMixin, SFTTrainer):
     """[`~trl.SFTTrainer`] that adds a distillation term towards a frozen teacher (see [`KDConfig`]).
 
     Args:

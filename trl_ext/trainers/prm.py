@@ -35,6 +35,7 @@ from trl.trainer.base_trainer import _BaseTrainer
 from trl.trainer.utils import pad
 
 from ..losses import get_loss
+from .common.finite import FiniteStepsArguments, FiniteStepsMixin
 from .common.model_card import CompleteModelCard
 from .common.resume import VerifiedResumeMixin
 from .common.resume_config import ResumeConfigMixin
@@ -50,7 +51,7 @@ __all__ = [
 
 # ------------------------------------------------------------------------------------------------------ config
 @dataclass
-class PRMConfig(ResumeConfigMixin, _BaseConfig):
+class PRMConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
     r"""
     Configuration class for [`~trl_ext.trainers.prm.PRMTrainer`]. For the generic training arguments see
     [`~transformers.TrainingArguments`].
@@ -92,6 +93,12 @@ class PRMConfig(ResumeConfigMixin, _BaseConfig):
             process) with fresh random-number generators, with a warning (the run then differs from an uninterrupted
             one). `False`: such a checkpoint is refused. Every checkpoint is checked against its
             `trl_ext_manifest.json` (size and SHA-256 of each file) before it is loaded.
+
+        > Parameters that control non-finite steps
+
+        max_consecutive_skipped_steps (`int`, *optional*, defaults to `10`):
+            An optimizer step whose loss or gradients hold NaN/inf is skipped (weights and optimizer state unchanged,
+            logged as `nonfinite/skipped_steps`); more than this many in a row stop the run. `0`: stop at the first.
 
     > [!NOTE]
     > Defaults that differ from [`~transformers.TrainingArguments`]: `learning_rate=1e-5`, `logging_steps=10`,
@@ -344,7 +351,7 @@ def _architecture_kind(model) -> str | None:
     return None
 
 
-class PRMTrainer(CompleteModelCard, VerifiedResumeMixin, _BaseTrainer):
+class PRMTrainer(CompleteModelCard, FiniteStepsMixin, VerifiedResumeMixin, _BaseTrainer):
     """Trains a process reward model on step-labelled solutions (see the module docstring and [`PRMConfig`]).
 
     Args:

@@ -6,7 +6,8 @@ check the inputs and the tokenizer, seed before building models, tokenise the pr
 reference and reward model next to the trained module, build the sampling settings and the rollout generator, hand
 `Trainer` a dataloader of prompt batches (:class:`~trl_ext.rollout.data.RolloutSampler`), resolve
 ``resume_from_checkpoint`` to a *complete* checkpoint whose files match its manifest (`resume.py`), keep an EMA of
-the trained weights (``ema_beta``, `ema.py`), and save their models in HF format with a model card. Those steps are
+the trained weights (``ema_beta``, `ema.py`), skip optimizer steps with a non-finite loss or gradient
+(`finite.py`), and save their models in HF format with a model card (never with NaN weights). Those steps are
 written here once; each trainer keeps its own models, losses and metrics.
 
 The mixin goes before `_BaseTrainer` in the bases (``class PPOTrainer(OnlineTrainerMixin, _BaseTrainer)``) and
@@ -41,6 +42,7 @@ from ...rollout.vision import (
 )
 from . import checkpoint as ckpt
 from .ema import EMA, EMACallback, load_ema, save_ema
+from .finite import FiniteStepsMixin
 from .kl_control import build_kl_controller
 from .metrics import log_completions_table, print_completions_table
 from .model_card import CompleteModelCard, write_text_atomically
@@ -103,7 +105,7 @@ def hub_push_errors(trainer, creating: bool = False) -> Iterator[None]:
         ) from err
 
 
-class OnlineTrainerMixin(CompleteModelCard, VerifiedResumeMixin, abc.ABC):
+class OnlineTrainerMixin(FiniteStepsMixin, CompleteModelCard, VerifiedResumeMixin, abc.ABC):
     """Setup, data, resume and save steps shared by the online trainers (see the module docs)."""
 
     _config_class: type = object
@@ -269,7 +271,8 @@ class OnlineTrainerMixin(CompleteModelCard, VerifiedResumeMixin, abc.ABC):
             self._sampling, reward, reference,
             forward_batch_size=args.local_rollout_forward_batch_size, accelerator=self.accelerator,
             missing_eos_penalty=args.missing_eos_penalty, gather_deepspeed3_params=args.ds3_gather_for_generation,
-            gradient_checkpointing_kwargs=args.activation_checkpointing_kwargs, **kwargs,
+            gradient_checkpointing_kwargs=args.activation_checkpointing_kwargs,
+            nonfinite_rewards=args.nonfinite_rewards, **kwargs,
         )  # fmt: skip
 
     # ------------------------------------------------------------------------------------- Trainer plumbing
@@ -342,11 +345,16 @@ class OnlineTrainerMixin(CompleteModelCard, VerifiedResumeMixin, abc.ABC):
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
 
     # ---------------------------------------------------------------------------------- reward normalisation
-    def _update_reward_normalizer(self, scores: torch.Tensor) -> None:
+    def _update_reward_normalizer(self, scores: torch.Tensor, dropped: torch.Tensor | None = None) -> None:
         """With ``normalize_reward``: add one rollout's ``scores`` of every process (gathered, so the statistics are
-        the same everywhere) to the running statistics. Called once per rollout, before its rewards are built."""
-        if self.reward_normalizer is not None:
-            self.reward_normalizer.update(self.accelerator.gather(scores.detach().float().contiguous()))
+        the same everywhere) to the running statistics, leaving out the ``dropped`` rows (``(B,)`` bool, the samples
+        of ``nonfinite_rewards="drop"``). Called once per rollout, before its rewards are built."""
+        if self.reward_normalizer is None:
+            return
+        scores = self.accelerator.gather(scores.detach().float().contiguous())
+        if dropped is not None:
+            scores = scores[~self.accelerator.gather(dropped.contiguous()).bool()]
+        self.reward_normalizer.update(scores)
 
     def normalized_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """``(scores − mean) / max(std, 1e-8)`` with the running statistics of ``normalize_reward`` (this rollout's
@@ -420,6 +428,7 @@ class OnlineTrainerMixin(CompleteModelCard, VerifiedResumeMixin, abc.ABC):
         output_dir = os.path.normpath(output_dir if output_dir is not None else self.args.output_dir)
         is_checkpoint = _internal_call and output_dir != os.path.normpath(self.args.output_dir)
         state_dict, gathered = self._gathered_state_dict()
+        self.check_finite_weights(state_dict)  # a model with NaN weights is never saved
         if self.args.should_save and gathered:
             if self.ema is not None and getattr(self.args, "save_ema_model", False) and not is_checkpoint:
                 self._write_ema_models(output_dir, state_dict)

@@ -24,6 +24,8 @@ from trl.trainer.base_config import _BaseConfig
 
 from ...losses import AGGREGATIONS
 from ...rewards import RM_TYPES
+from ...rollout.finite import NONFINITE_REWARD_OPTIONS
+from .finite import FiniteStepsArguments
 from .resume_config import ResumeConfigMixin
 
 __all__ = ["OnlineConfig", "TwistTargetConfig"]
@@ -39,7 +41,7 @@ def _has_accelerator() -> bool:
 
 
 @dataclass
-class OnlineConfig(ResumeConfigMixin, _BaseConfig):
+class OnlineConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
     r"""
     Options shared by the configurations of the online trainers ([`~trl_ext.PPOTrainer`],
     [`~trl_ext.ProposalTrainer`], [`~trl_ext.HarmlessnessTrainer`]); see each of them for the full list.
@@ -74,6 +76,16 @@ class OnlineConfig(ResumeConfigMixin, _BaseConfig):
         reward_uses_images (`bool`, *optional*, defaults to `False`):
             Pass the prompts' images (PIL) to the reward function as `images=` (vision-language policies; the
             reward must then be a callable or a `RewardFunction`). `False`: rewards score the text only.
+        nonfinite_rewards (`str`, *optional*, defaults to `"error"`):
+            What a NaN or ±inf reward does: `"error"` stops with an error naming the prompt and the completion;
+            `"drop"` (PPOTrainer only) gives those samples zero weight (masked out of every loss; counted in
+            `objective/nonfinite_rewards`).
+
+        > Parameters that control non-finite steps
+
+        max_consecutive_skipped_steps (`int`, *optional*, defaults to `10`):
+            An optimizer step whose loss or gradients hold NaN/inf is skipped (weights and optimizer state unchanged,
+            logged as `nonfinite/skipped_steps`); more than this many in a row stop the run. `0`: stop at the first.
 
         > Parameters that control where the frozen models are kept
 
@@ -184,6 +196,16 @@ class OnlineConfig(ResumeConfigMixin, _BaseConfig):
         },
     )
 
+    nonfinite_rewards: str = field(
+        default="error",
+        metadata={
+            "help": "What a NaN or inf reward does: 'error' stops with an error naming the prompt and completion; "
+            "'drop' (PPOTrainer only) gives those samples zero weight (masked out of every loss, counted in "
+            "objective/nonfinite_rewards).",
+            "choices": list(NONFINITE_REWARD_OPTIONS),
+        },
+    )
+
     # ----------------------------------------------------------------------------------------- frozen models
     ref_offload: bool = field(
         default=False,
@@ -267,7 +289,13 @@ class OnlineConfig(ResumeConfigMixin, _BaseConfig):
                 fail(f"{name}={getattr(self, name)}: set it to at least 1.")
         if self.missing_eos_penalty is not None and self.missing_eos_penalty < 0:
             fail(f"missing_eos_penalty={self.missing_eos_penalty} must be >= 0 (it is subtracted from the score).")
+        self._check_choice("nonfinite_rewards", NONFINITE_REWARD_OPTIONS)
         self._validate_ema()
+
+    def _refuse_dropping_rewards(self, why: str) -> None:
+        """For trainers that cannot give one sample zero weight: refuse ``nonfinite_rewards="drop"``."""
+        if self.nonfinite_rewards == "drop":
+            self._fail(f"nonfinite_rewards='drop' is not supported here: {why}. Use nonfinite_rewards='error'.")
 
     @property
     def uses_ema(self) -> bool:
@@ -349,3 +377,7 @@ class TwistTargetConfig(OnlineConfig):
         super()._validate()
         self._check_choice("loss_aggregation", AGGREGATIONS)
         self._check_choice("rm_type", RM_TYPES)
+        self._refuse_dropping_rewards(
+            "the twist losses weigh the samples of a prompt against each other (importance weights normalised over "
+            "its samples), so one sample cannot be taken out without changing the weights of the others"
+        )

@@ -131,6 +131,9 @@ class HarmlessnessConfig(PtxConfigMixin, TwistTargetConfig):
         reward_uses_images (`bool`, *optional*, defaults to `False`):
             Pass the prompts' images (PIL) to the reward function as `images=` (vision-language policies; the
             reward must then be a callable or a `RewardFunction`). `False`: rewards score the text only.
+        nonfinite_rewards (`str`, *optional*, defaults to `"error"`):
+            What a NaN or ±inf reward does: `"error"` stops the run with an error naming the prompt and the
+            completion. `"drop"` is refused here (the twist losses weigh a prompt's samples against each other).
 
         > Parameters that control generation
 
@@ -223,6 +226,13 @@ class HarmlessnessConfig(PtxConfigMixin, TwistTargetConfig):
             process) with fresh random-number generators, with a warning (the run then differs from an uninterrupted
             one). `False`: such a checkpoint is refused. Every checkpoint is checked against its
             `trl_ext_manifest.json` (size and SHA-256 of each file) before it is loaded.
+
+        > Parameters that control non-finite steps (trl_ext additions)
+
+        max_consecutive_skipped_steps (`int`, *optional*, defaults to `10`):
+            An optimizer step (of the policy or of the proposal) whose loss or gradients hold NaN/inf is skipped
+            (weights and optimizer state unchanged, logged as `nonfinite/skipped_steps`); more than this many in a
+            row stop the run. `0`: stop at the first.
 
     > [!NOTE]
     > Gradient clipping is per model: `max_grad_norm` is applied to the policy's and to the proposal's gradients

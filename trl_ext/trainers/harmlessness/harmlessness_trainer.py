@@ -249,6 +249,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         """One micro-step on one batch of prompts: rollouts, rewards, the proposal's and the policy's losses and
         backward passes (and, per the module docs, the optimizer step of one of the two models)."""
         args = self.args
+        self.guard_optimizer_steps()  # non-finite losses/gradients skip the optimizer step (`common/finite.py`)
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
@@ -313,6 +314,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         start = time.perf_counter()
         out = self.compute_proposal_loss(model, rollout, log_phi)
         if backward:
+            self.note_loss(out.loss.loss, "proposal loss")
             self._backward(out.loss.loss * scale)
         self._timings["proposal_step"] += time.perf_counter() - start
         return out
@@ -339,7 +341,9 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
             weight_lp = neg_lp.detach() if self.args.disable_dropout else self._policy_logprobs(parts[-1])
         out = self.compute_policy_loss(policy_lp, rollouts, rewards, neg_logprobs=neg_lp, weight_logprobs=weight_lp)
         loss = out.loss if self._ptx is None else out.loss + self.compute_ptx_loss()
-        self._backward(loss * scale + (extra_loss if extra_loss is not None else 0.0))
+        loss = loss * scale + (extra_loss if extra_loss is not None else 0.0)
+        self.note_loss(loss, "policy loss")
+        self._backward(loss)
         self._timings["policy_step"] += time.perf_counter() - start
         return out, policy_lp.detach()
 

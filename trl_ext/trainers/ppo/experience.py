@@ -59,15 +59,23 @@ def schedule_position(position: int, num_mini_batches: int, gradient_accumulatio
 
 
 def minibatch_counts(
-    schedule: list[torch.Tensor], response_mask: torch.Tensor, aggregation: str, gradient_accumulation_steps: int
+    schedule: list[torch.Tensor],
+    response_mask: torch.Tensor,
+    aggregation: str,
+    gradient_accumulation_steps: int,
+    dropped: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per minibatch of ``schedule``: its number of response tokens (``token-mean``) or of sequences (``seq-*``)."""
+    """Per minibatch of ``schedule``: its number of response tokens (``token-mean``) or of sequences (``seq-*``);
+    ``dropped`` ``(B,)`` bool rows (zero weight, ``nonfinite_rewards="drop"``) are not counted as sequences."""
     groups = [
         torch.cat(schedule[i : i + gradient_accumulation_steps])
         for i in range(0, len(schedule), gradient_accumulation_steps)
     ]
     if aggregation == "token-mean":
         return torch.stack([response_mask[g.to(response_mask.device)].sum() for g in groups]).float()
+    if dropped is not None:
+        kept = ~dropped.bool().to(response_mask.device)
+        return torch.stack([kept[g.to(kept.device)].sum() for g in groups]).float()
     return torch.tensor([float(len(g)) for g in groups], device=response_mask.device)
 
 

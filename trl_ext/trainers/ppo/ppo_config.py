@@ -86,6 +86,9 @@ class PPOConfig(PtxConfigMixin, OnlineConfig):
         reward_uses_images (`bool`, *optional*, defaults to `False`):
             Pass the prompts' images (PIL) to the reward function as `images=` (vision-language policies; the
             reward must then be a callable or a `RewardFunction`). `False`: rewards score the text only.
+        nonfinite_rewards (`str`, *optional*, defaults to `"error"`):
+            A NaN/±inf reward: `"error"` stops with an error naming prompt and completion; `"drop"` gives the sample
+            (its prompt group with the `"rloo"` baseline) zero weight, counted in `objective/nonfinite_rewards`.
         kl_coef (`float`, *optional*, defaults to `0.05`):
             KL coefficient (the start value when `kl_target` is set).
         kl_target (`float`, *optional*):
@@ -111,6 +114,9 @@ class PPOConfig(PtxConfigMixin, OnlineConfig):
 
         > Parameters that control the optimisation
 
+        max_consecutive_skipped_steps (`int`, *optional*, defaults to `10`):
+            An optimizer step with a NaN/inf loss or gradient is skipped (weights and optimizer state unchanged,
+            logged as `nonfinite/skipped_steps`); more in a row than this stop the run (`0`: the first).
         learning_rate (`float`, *optional*, defaults to `3e-6`):
             Initial learning rate (the optimizer and scheduler are `transformers.Trainer`'s).
         num_ppo_epochs (`int`, *optional*, defaults to `4`):

@@ -38,6 +38,7 @@ from ...ops import (
     masked_whiten,
 )
 from ...rollout.data import left_padded
+from ...rollout.finite import drop_rows, expand_to_groups
 from ...rollout.generator import Rollout, RolloutReward, forward_response
 from ...rollout.vision import check_vision_critic, check_vision_models
 from ..common import checkpoint as ckpt
@@ -311,8 +312,9 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         )
         rollout_index = self._micro_step // self._micro_steps_per_rollout
         vision = {"vision": inputs["vision"].to(device)} if inputs.get("vision") is not None else {}
-        rollout = self.rollout(model, prompt_ids.to(device), prompt_mask.to(device), **vision)
-        self._update_reward_normalizer(rollout.scores)  # normalize_reward: once per rollout, before its rewards
+        rollout = self._drop_nonfinite(self.rollout(model, prompt_ids.to(device), prompt_mask.to(device), **vision))
+        # normalize_reward: once per rollout, before its rewards (the dropped samples left out)
+        self._update_reward_normalizer(rollout.scores, rollout.dropped)
         rewards = self.compute_rewards(rollout)
         if self.reward_normalizer is not None:
             self._metrics.scalars["objective/score_mean_running"] = self.reward_normalizer.mean
@@ -321,11 +323,11 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         self._update_kl_controller(rewards.kl, rollout.response_mask)
         advantages, returns = self.compute_advantages(rollout, rewards)
         schedule = self._schedule(rollout_index, rollout)
-        normalizers = self._normalizers(rollout.response_mask, schedule)
+        normalizers = self._normalizers(rollout.response_mask, schedule, rollout.dropped)
         value_mask = value_normalizers = None
         if returns is not None and self.args.score_position == "after_last_token":
             value_mask = self.score_mask(rollout.response_mask)
-            value_normalizers = self._normalizers(value_mask, schedule)
+            value_normalizers = self._normalizers(value_mask, schedule, rollout.dropped)
         experience = Experience(
             rollout,
             advantages,
@@ -337,6 +339,21 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         )
         self._log_rollout(rollout, rewards, rollout_index)
         return experience
+
+    def _drop_nonfinite(self, rollout: Rollout) -> Rollout:
+        """With ``nonfinite_rewards="drop"``: log ``objective/nonfinite_rewards`` (the samples of this rollout with a
+        non-finite reward, over all processes; ``..._total``: since the start of the run) and, with the leave-one-out
+        baseline of REINFORCE-type losses (``reinforce_baseline="rloo"``), drop the other samples of their prompts
+        too (each one's baseline would hold the dropped sample)."""
+        if rollout.dropped is None:
+            return rollout
+        count = float(self.accelerator.reduce(rollout.dropped.sum().float(), reduction="sum"))
+        self._metrics.add("objective/nonfinite_rewards", count)
+        total = self._metrics.scalars.get("objective/nonfinite_rewards_total", 0.0) + count
+        self._metrics.scalars["objective/nonfinite_rewards_total"] = total
+        if rollout.values is None and self.args.reinforce_baseline in ("rloo", "expectation") and count:
+            rollout = drop_rows(rollout, expand_to_groups(rollout.dropped, rollout.num_samples_per_prompt))
+        return rollout
 
     def _update_kl_controller(self, kl: torch.Tensor, mask: torch.Tensor) -> None:
         """Feed this rollout's mean per-sequence KL (``objective/kl``, averaged over processes) and its
@@ -360,12 +377,16 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
             lengths=lengths,
         )
 
-    def _normalizers(self, mask: torch.Tensor, schedule: list[torch.Tensor]) -> list[float]:
-        """Each micro-step's minibatch count (sequences or tokens of ``mask``), averaged over processes (DDP
-        averages the gradients, so the per-process loss is divided by ``global count / num_processes``)."""
+    def _normalizers(
+        self, mask: torch.Tensor, schedule: list[torch.Tensor], dropped: torch.Tensor | None = None
+    ) -> list[float]:
+        """Each micro-step's minibatch count (sequences or tokens of ``mask``; ``dropped`` rows not counted),
+        averaged over processes (DDP averages the gradients, so the per-process loss is divided by ``global count /
+        num_processes``). A minibatch with nothing left to count (every row dropped) gets 1: its loss is 0."""
         accumulation = self.args.gradient_accumulation_steps
-        counts = minibatch_counts(schedule, mask, self.args.loss_aggregation, accumulation)
-        counts = self.accelerator.reduce(counts, reduction="mean").tolist()
+        counts = minibatch_counts(schedule, mask, self.args.loss_aggregation, accumulation, dropped)
+        counts = self.accelerator.reduce(counts, reduction="mean")
+        counts = torch.where(counts > 0, counts, torch.ones_like(counts)).tolist()
         return [counts[i // accumulation] for i in range(len(schedule))]
 
     # ------------------------------------------------------------------------------------------ public hooks
@@ -393,9 +414,15 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         args, mask = self.args, rollout.response_mask
         kl = kl_estimate(rollout.logprobs, rollout.ref_logprobs, args.kl_estimator, mask)
         score_mask = self.score_mask(mask)
+        placement = score_mask
+        if rollout.dropped is not None:  # a dropped row has no token: its score goes on column 0, then is zeroed
+            placement = score_mask.clone()
+            placement[:, 0] = torch.where(rollout.dropped, torch.ones_like(placement[:, 0]), placement[:, 0])
         rewards, non_score = assemble_token_rewards(
-            kl, self.normalized_scores(rollout.scores), score_mask, self.kl_controller.value, clamp=args.reward_clip
+            kl, self.normalized_scores(rollout.scores), placement, self.kl_controller.value, clamp=args.reward_clip
         )
+        if rollout.dropped is not None:
+            rewards, non_score = rewards * (score_mask != 0), non_score * (score_mask != 0)
         if args.whiten_rewards:
             rewards = masked_whiten(rewards, score_mask, shift_mean=False)
         return PPORewards(rewards, non_score, kl)

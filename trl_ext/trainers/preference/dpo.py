@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import trl
 
+from ..common.finite import FiniteStepsArguments, FiniteStepsMixin
 from ..common.model_card import CompleteModelCard
 from ..common.resume import VerifiedResumeMixin
 from ..common.resume_config import ResumeConfigMixin
@@ -40,7 +41,7 @@ _NON_MODEL_KEYS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
 
 
 @dataclass
-class DPOConfig(ExtraLossArguments, ResumeConfigMixin, trl.DPOConfig):
+class DPOConfig(FiniteStepsArguments, ExtraLossArguments, ResumeConfigMixin, trl.DPOConfig):
     r"""
     Configuration class for trl_ext's [`DPOTrainer`]: every parameter of TRL's `trl.DPOConfig` (same names, defaults
     and meaning) plus an extra loss. For the generic training arguments see [`~transformers.TrainingArguments`].
@@ -84,6 +85,12 @@ class DPOConfig(ExtraLossArguments, ResumeConfigMixin, trl.DPOConfig):
             process) with fresh random-number generators, with a warning (the run then differs from an uninterrupted
             one). `False`: such a checkpoint is refused. Every checkpoint is checked against its
             `trl_ext_manifest.json` (size and SHA-256 of each file) before it is loaded.
+
+        > Parameters that control non-finite steps (trl_ext addition)
+
+        max_consecutive_skipped_steps (`int`, *optional*, defaults to `10`):
+            An optimizer step whose loss or gradients hold NaN/inf is skipped (weights and optimizer state unchanged,
+            logged as `nonfinite/skipped_steps`); more than this many in a row stop the run. `0`: stop at the first.
     """
 
     extra_loss_only: bool = field(
@@ -163,7 +170,7 @@ def _fill_missing_chosen(dataset, name: str, extra: ExtraLoss | None, extra_only
     return dataset.map(fill), "all" if none_at_all else "some"
 
 
-class DPOTrainer(CompleteModelCard, ExtraLossLogging, VerifiedResumeMixin, trl.DPOTrainer):
+class DPOTrainer(CompleteModelCard, ExtraLossLogging, FiniteStepsMixin, VerifiedResumeMixin, trl.DPOTrainer):
     """`trl.DPOTrainer` with an optional extra loss from `trl_ext.losses` and support for rejected-only data.
 
     Arguments are those of `trl.DPOTrainer`; ``args`` is a trl_ext [`DPOConfig`] (a plain `trl.DPOConfig` works too,

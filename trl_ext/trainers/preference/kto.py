@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import trl
 
+from ..common.finite import FiniteStepsArguments, FiniteStepsMixin
 from ..common.model_card import CompleteModelCard
 from ..common.resume import VerifiedResumeMixin
 from ..common.resume_config import ResumeConfigMixin
@@ -30,7 +31,7 @@ __all__ = ["KTOConfig", "KTOTrainer"]
 
 
 @dataclass
-class KTOConfig(ExtraLossArguments, ResumeConfigMixin, trl.KTOConfig):
+class KTOConfig(FiniteStepsArguments, ExtraLossArguments, ResumeConfigMixin, trl.KTOConfig):
     r"""
     Configuration class for trl_ext's [`KTOTrainer`]: every parameter of TRL's `trl.KTOConfig` (same names, defaults
     and meaning) plus an extra loss on the undesirable completions. For the generic training arguments see
@@ -70,6 +71,12 @@ class KTOConfig(ExtraLossArguments, ResumeConfigMixin, trl.KTOConfig):
             process) with fresh random-number generators, with a warning (the run then differs from an uninterrupted
             one). `False`: such a checkpoint is refused. Every checkpoint is checked against its
             `trl_ext_manifest.json` (size and SHA-256 of each file) before it is loaded.
+
+        > Parameters that control non-finite steps (trl_ext addition)
+
+        max_consecutive_skipped_steps (`int`, *optional*, defaults to `10`):
+            An optimizer step whose loss or gradients hold NaN/inf is skipped (weights and optimizer state unchanged,
+            logged as `nonfinite/skipped_steps`); more than this many in a row stop the run. `0`: stop at the first.
     """
 
     def __post_init__(self):
@@ -77,7 +84,7 @@ class KTOConfig(ExtraLossArguments, ResumeConfigMixin, trl.KTOConfig):
         self._check_extra_loss(needs_rejected_only=True, trainer="KTOTrainer")
 
 
-class KTOTrainer(CompleteModelCard, ExtraLossLogging, VerifiedResumeMixin, trl.KTOTrainer):
+class KTOTrainer(CompleteModelCard, ExtraLossLogging, FiniteStepsMixin, VerifiedResumeMixin, trl.KTOTrainer):
     """`trl.KTOTrainer` with an optional extra loss on the undesirable rows.
 
     Arguments are those of `trl.KTOTrainer`; ``args`` is a trl_ext [`KTOConfig`] (a plain `trl.KTOConfig` works
