@@ -14,7 +14,12 @@ from ..ops.stats import masked_mean
 from .base import LossOutput, aggregate, check_same_shape
 from .registry import register_loss
 
-__all__ = ["ppo_policy_loss", "clipped_value_loss"]
+__all__ = ["MAX_LOG_RATIO", "ppo_policy_loss", "clipped_value_loss"]
+
+#: Log-ratios ``log π − log π_old`` are clamped to ``[−MAX_LOG_RATIO, MAX_LOG_RATIO]`` before ``ρ = exp(·)`` (verl's
+#: convention): ``ρ ≤ e^20 ≈ 4.9e8`` stays finite in fp32/bf16, where ``exp(100) = inf`` made ``0·inf`` a NaN loss and
+#: gradient for a token with a zero advantage.
+MAX_LOG_RATIO = 20.0
 
 
 def _valid(mask: torch.Tensor) -> torch.Tensor:
@@ -54,6 +59,11 @@ def ppo_policy_loss(
     When the clipped (or capped) term is the active one, ``ℓ`` does not depend on ``log π`` and the token gets no
     gradient. On a tie (e.g. ``ρ = 1``) the unclipped term is taken, so the gradient is the plain policy gradient.
 
+    ``ρ`` is computed in at least fp32 from the log-ratio clamped to ``±MAX_LOG_RATIO`` (20, as verl does): a token
+    whose policy moved that far (``ρ > 4.9e8``, far outside any clip range) adds a finite term and no gradient,
+    instead of ``inf`` or ``0·inf = nan``. Within that range the loss is exact. Half-precision inputs give an fp32
+    loss.
+
     Args:
         logprobs: ``(..., T)`` log-probs of the taken actions under the current policy (with gradient).
         old_logprobs: ``(..., T)`` log-probs under the behaviour policy that sampled them (treated as constants).
@@ -77,9 +87,11 @@ def ppo_policy_loss(
         raise ValueError(f"`dual_clip` must be > 1 (or None to disable it), got {dual_clip}.")
 
     valid = _valid(mask)
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)  # fp16 overflows exp() beyond 11; compute in fp32
+    logprobs, old_logprobs, advantages = (t.to(dtype) for t in (logprobs, old_logprobs, advantages))
     log_ratio = _keep(logprobs - _keep(old_logprobs, valid), valid)
     adv = _keep(advantages, valid)
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
 
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)

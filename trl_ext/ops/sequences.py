@@ -161,9 +161,11 @@ def extend_mask_past_last(mask: torch.Tensor) -> torch.Tensor:
 
     TRL ≤ 1.12's PPO put the score one position after the last response token (``sequence_lengths + 1``, kept in
     range) and trained the value there too (its ``padding_mask_p1``); this is that mask. A row with no valid position
-    stays empty.
+    stays empty. Only the position after the *last* valid one is added, also when the valid positions are not one
+    block (e.g. ``[0, 1, 0, 1, 0] → [0, 1, 0, 1, 1]``).
     """
     keep = mask != 0
-    after = torch.zeros_like(keep)
-    after[:, 1:] = keep[:, :-1]
+    last = last_token_index(mask, allow_empty=True)
+    positions = torch.arange(mask.shape[-1], device=mask.device)
+    after = (positions == (last + 1).unsqueeze(-1)) & (last >= 0).unsqueeze(-1)
     return (keep | after).to(mask.dtype)

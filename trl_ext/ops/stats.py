@@ -3,6 +3,10 @@
 Every function takes a value tensor ``x`` and a mask of the same shape (or broadcastable to it) whose non-zero
 entries mark real elements. Masked-out entries never influence the result, whatever they contain (including
 ``inf``/``nan``), because they are replaced by zero before any arithmetic.
+
+Half-precision inputs (fp16, bf16) are reduced in fp32 and the result is cast back to their dtype: in fp16 the
+squares of values of 1e3 already overflow (``masked_whiten`` of them gave 0 everywhere) and a bf16 sum of a few hundred
+tokens loses most of its digits.
 """
 
 from __future__ import annotations
@@ -19,6 +23,17 @@ __all__ = [
 ]
 
 
+def _upcast(x: torch.Tensor) -> tuple[torch.Tensor, torch.dtype | None]:
+    """``(x in at least fp32, the dtype to cast the result back to or None)``."""
+    if x.is_floating_point() and torch.finfo(x.dtype).bits < 32:
+        return x.float(), x.dtype
+    return x, None
+
+
+def _back(out: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return out if dtype is None else out.to(dtype)
+
+
 def _zeroed(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     mask = mask.to(dtype=x.dtype if x.is_floating_point() else torch.float32)
     mask = mask.expand_as(x) if mask.shape != x.shape else mask
@@ -27,9 +42,10 @@ def _zeroed(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch.Tensor:
     """``Σ_i x_i·m_i`` over ``dim`` (all elements when ``dim`` is None)."""
+    x, dtype = _upcast(x)
     xz, mask = _zeroed(x, mask)
     prod = xz * mask
-    return prod.sum() if dim is None else prod.sum(dim=dim)
+    return _back(prod.sum() if dim is None else prod.sum(dim=dim), dtype)
 
 
 def masked_mean(
@@ -40,14 +56,15 @@ def masked_mean(
     Rows whose mask is entirely zero give ``0`` rather than ``nan``: a zero denominator is replaced by 1 (the
     numerator is zero there too). With ``eps > 0`` the denominator is ``Σ m + eps`` instead.
     """
+    x, dtype = _upcast(x)
     xz, mask = _zeroed(x, mask)
     if dim is None:
         num, den = (xz * mask).sum(), mask.sum()
     else:
         num, den = (xz * mask).sum(dim=dim), mask.sum(dim=dim)
     if eps > 0:
-        return num / (den + eps)
-    return num / torch.where(den == 0, torch.ones_like(den), den)
+        return _back(num / (den + eps), dtype)
+    return _back(num / torch.where(den == 0, torch.ones_like(den), den), dtype)
 
 
 def masked_var(
@@ -57,6 +74,7 @@ def masked_var(
 
     With ``unbiased=True`` and a single real element the variance is undefined; ``0`` is returned for it.
     """
+    x, dtype = _upcast(x)
     mean = masked_mean(x, mask, dim=dim)
     if dim is not None:
         mean = mean.reshape(_keepdim_shape(x.shape, (dim,) if isinstance(dim, int) else dim))
@@ -65,7 +83,7 @@ def masked_var(
     count = m.sum() if dim is None else m.sum(dim=dim)
     total = sq.sum() if dim is None else sq.sum(dim=dim)
     den = count - 1 if unbiased else count
-    return total / torch.where(den <= 0, torch.ones_like(den), den) * (den > 0)
+    return _back(total / torch.where(den <= 0, torch.ones_like(den), den) * (den > 0), dtype)
 
 
 def _keepdim_shape(shape: torch.Size, dims: tuple[int, ...]) -> tuple[int, ...]:
@@ -77,7 +95,8 @@ def masked_std(
     x: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, ...] | None = None, unbiased: bool = True
 ) -> torch.Tensor:
     """Square root of :func:`masked_var`."""
-    return masked_var(x, mask, dim=dim, unbiased=unbiased).sqrt()
+    x, dtype = _upcast(x)
+    return _back(masked_var(x, mask, dim=dim, unbiased=unbiased).sqrt(), dtype)
 
 
 def masked_whiten(
@@ -92,6 +111,7 @@ def masked_whiten(
     With ``shift_mean=False`` the mean is added back, ``x ↦ (x − μ)/σ + μ`` (the convention TRL uses when whitening
     rewards). Masked-out entries of the output are set to zero.
     """
+    x, dtype = _upcast(x)
     mean = masked_mean(x, mask, dim=dim)
     var = masked_var(x, mask, dim=dim, unbiased=True)
     if dim is not None:
@@ -101,7 +121,7 @@ def masked_whiten(
     out = (xz - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
-    return out * m
+    return _back(out * m, dtype)
 
 
 def masked_normalize(
@@ -115,10 +135,11 @@ def masked_normalize(
     Unlike :func:`masked_whiten`, the standard deviation is floored (not ``eps``-regularised), which is the
     convention of advantage normalisation over a rollout buffer (std ≥ 1e-8). Masked-out entries become zero.
     """
+    x, dtype = _upcast(x)
     mean = masked_mean(x, mask, dim=dim)
     std = masked_std(x, mask, dim=dim, unbiased=True)
     if dim is not None:
         shape = _keepdim_shape(x.shape, (dim,) if isinstance(dim, int) else dim)
         mean, std = mean.reshape(shape), std.reshape(shape)
     xz, m = _zeroed(x, mask)
-    return (xz - mean) / std.clamp_min(std_floor) * m
+    return _back((xz - mean) / std.clamp_min(std_floor) * m, dtype)

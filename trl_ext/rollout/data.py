@@ -24,9 +24,11 @@ from trl.trainer.utils import pad
 __all__ = [
     "PromptCollator",
     "RolloutSampler",
+    "check_chat_template",
     "check_pad_token",
     "left_padded",
     "prepare_prompt_dataset",
+    "tokenizer_name",
     "tokenizer_of",
 ]
 
@@ -39,6 +41,32 @@ def tokenizer_of(processing_class):
     """The tokenizer of a tokenizer or of a processor (``processor.tokenizer``)."""
     tokenizer = getattr(processing_class, "tokenizer", None)
     return tokenizer if tokenizer is not None else processing_class
+
+
+def tokenizer_name(tokenizer) -> str:
+    """``ClassName('name_or_path')`` of a tokenizer, for error messages."""
+    path = getattr(tokenizer, "name_or_path", "") or ""
+    return f"{type(tokenizer).__name__}({path!r})" if path else type(tokenizer).__name__
+
+
+def check_chat_template(dataset, tokenizer, name: str = "train_dataset", processor=None) -> None:
+    """Raise a clear error when ``dataset``'s first ``prompt`` is a list of chat messages and neither ``tokenizer``
+    nor ``processor`` has a chat template to turn it into text. Cheap (reads one row): trainers call it before
+    building their models. Datasets without rows or without a ``prompt`` column pass."""
+    if dataset is None or not hasattr(dataset, "__len__") or len(dataset) == 0:
+        return
+    columns = list(getattr(dataset, "column_names", None) or dataset[0].keys())
+    if "prompt" not in columns or "input_ids" in columns:
+        return
+    if not is_conversational({"prompt": dataset[0]["prompt"]}):
+        return
+    if getattr(tokenizer, "chat_template", None) is None and getattr(processor, "chat_template", None) is None:
+        raise ValueError(
+            f"{name} holds conversational prompts (lists of chat messages) but the tokenizer "
+            f"{tokenizer_name(tokenizer)} has no chat template to turn them into text. Set one "
+            "(`tokenizer.chat_template = other_tokenizer.chat_template`, e.g. from the instruct version of the "
+            "model), or pass plain-text prompts."
+        )
 
 
 def check_pad_token(tokenizer) -> None:
@@ -69,15 +97,21 @@ def prepare_prompt_dataset(dataset, tokenizer, *, num_proc: int | None = None, n
         A dataset with the single column ``input_ids``.
 
     Raises:
-        ValueError: neither column is present, or a prompt is empty.
+        ValueError: the dataset is empty, neither column is present, conversational prompts without a chat template,
+            or a prompt is empty.
     """
     if not hasattr(dataset, "__len__"):
         raise ValueError(
             f"{name} has no length (an IterableDataset?): online trainers sample prompt batches by index; pass a "
             "map-style `datasets.Dataset` (e.g. `Dataset.from_list(list(iterable_dataset.take(n)))`)."
         )
+    if len(dataset) == 0:
+        raise ValueError(
+            f"{name} is empty (0 rows): it must hold prompts, in a 'prompt' or an 'input_ids' column. Check the split "
+            "you loaded and any filtering done before."
+        )
     columns = list(getattr(dataset, "column_names", None) or [])
-    if not columns and len(dataset):
+    if not columns:
         columns = list(dataset[0].keys())
     if "input_ids" in columns:
         prepared = dataset.remove_columns([c for c in columns if c != "input_ids"]) if len(columns) > 1 else dataset
@@ -89,11 +123,8 @@ def prepare_prompt_dataset(dataset, tokenizer, *, num_proc: int | None = None, n
                 f"{name}: the 'prompt' column must hold strings or lists of chat messages "
                 f"({{'role': ..., 'content': ...}}); found {type(first['prompt']).__name__}."
             )
-        if conversational and getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError(
-                f"{name} holds conversational prompts but the tokenizer has no chat template; set "
-                "`tokenizer.chat_template` or pass plain-text prompts."
-            )
+        if conversational:
+            check_chat_template(dataset, tokenizer, name)
 
         def tokenize(example):
             if conversational:

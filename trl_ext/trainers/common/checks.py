@@ -1,10 +1,30 @@
-"""Constructor checks the trainers share."""
+"""Constructor checks the trainers share: run before any model work, each error says what to change.
+
+- :func:`refuse_same_object`: two roles (policy and reference, policy and proposal) given one set of weights.
+- :func:`check_not_empty`: an empty train or eval dataset (instead of ``IndexError: Invalid key: 0`` later).
+- :func:`load_model_argument`: a model given as a string: loaded when it is a folder or a Hub id, refused with the
+  path named when it is neither (instead of ``'str' object has no attribute 'parameters'``).
+- :func:`check_prompts_fit_context`: prompts that, with ``response_length`` new tokens, exceed the policy's context.
+"""
 
 from __future__ import annotations
 
-__all__ = ["refuse_same_object"]
+import os
+from collections.abc import Callable
+
+__all__ = [
+    "check_not_empty",
+    "check_prompts_fit_context",
+    "context_length",
+    "load_model_argument",
+    "refuse_same_object",
+]
 
 _FROZEN_FIX = "Pass a separate copy (e.g. `copy.deepcopy(model)` before training), or None for the trainer's default"
+
+
+def _prefix(trainer: str) -> str:
+    return f"{trainer}: " if trainer else ""
 
 
 def refuse_same_object(
@@ -18,8 +38,125 @@ def refuse_same_object(
     if model is None or other is None or isinstance(model, str) or other is not model:
         return
     why = why or "the reference must stay frozen, and this one would train with the policy"
-    prefix = f"{trainer}: " if trainer else ""
     raise ValueError(
-        f"{prefix}`{model_name}` and `{other_name}` cannot be the same object ({model_name} is {other_name}): {why}. "
-        f"{_FROZEN_FIX} (a frozen copy of the initial model; under LoRA, the base model with its adapters disabled)."
+        f"{_prefix(trainer)}`{model_name}` and `{other_name}` cannot be the same object ({model_name} is "
+        f"{other_name}): {why}. {_FROZEN_FIX} (a frozen copy of the initial model; under LoRA, the base model with "
+        "its adapters disabled)."
+    )
+
+
+def _num_rows(dataset) -> int | None:
+    """Rows of a map-style dataset; for an iterable one, 0 or ``None`` (not empty, length unknown)."""
+    try:
+        return len(dataset)
+    except TypeError:
+        try:
+            next(iter(dataset))
+        except StopIteration:
+            return 0
+        return None
+
+
+def check_not_empty(dataset, name: str = "train_dataset", *, trainer: str = "", needs: str = "") -> None:
+    """Raise ``ValueError("<name> is empty ...")`` when ``dataset`` has no row; ``None`` is accepted (an optional
+    eval set), and a dict of datasets is checked entry by entry. ``needs`` says what the rows should hold."""
+    if dataset is None:
+        return
+    if isinstance(dataset, dict):
+        for key, value in dataset.items():
+            check_not_empty(value, f"{name}[{key!r}]", trainer=trainer, needs=needs)
+        return
+    if _num_rows(dataset) == 0:
+        needs = f" {needs}" if needs else ""
+        raise ValueError(
+            f"{_prefix(trainer)}{name} is empty (0 rows).{needs} Check the split you loaded and any filtering done "
+            "before (e.g. a `dataset.filter(...)` or a length limit that dropped every row)."
+        )
+
+
+def load_model_argument(model, what: str = "model", *, loader: Callable | None = None, trainer: str = ""):
+    """``model`` itself, or, when it is a string (or path), the model loaded from that folder or Hub id.
+
+    A string that is neither an existing folder nor a valid Hub id (``org/name``) is refused with a ``ValueError``
+    that names it, before anything is loaded; a Hub id that cannot be fetched (offline, private, misspelt) gives a
+    ``ValueError`` with the loader's reason. ``loader`` (default `trl_ext.models.load_causal_lm`) is called with the
+    path only: to pass loading options (dtype, quantisation), load the model yourself and pass the module.
+    """
+    if not isinstance(model, (str, os.PathLike)):
+        return model
+    path = os.fspath(model)
+    prefix = _prefix(trainer)
+    pass_module = "or pass a loaded model (e.g. `trl_ext.models.load_causal_lm(path, dtype=...)`)"
+    if os.path.isfile(path):
+        raise ValueError(
+            f"{prefix}{what}={path!r} is a file, not a model folder: pass the folder that holds config.json and the "
+            f"weights, {pass_module}."
+        )
+    if not os.path.isdir(path):
+        from huggingface_hub.errors import HFValidationError
+        from huggingface_hub.utils import validate_repo_id
+
+        try:
+            validate_repo_id(path)
+        except HFValidationError:
+            raise ValueError(
+                f"{prefix}{what}={path!r} is neither an existing folder (looked up from {os.getcwd()!r}) nor a Hub "
+                f"model id ('name' or 'org/name'). Fix the path, {pass_module}."
+            ) from None
+    if loader is None:
+        from ...models import load_causal_lm
+
+        loader = load_causal_lm
+    try:
+        return loader(path)
+    except OSError as err:
+        reason = " ".join(str(err).split())
+        raise ValueError(
+            f"{prefix}could not load {what}={path!r} ({reason}). Check the folder or Hub id (and HF_HUB_OFFLINE / the "
+            f"network for a Hub id), {pass_module}."
+        ) from err
+
+
+_CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def context_length(model) -> int | None:
+    """The number of positions ``model`` was built for (``config.max_position_embeddings`` or its GPT-2 /
+    other-architecture names, read from the text config), or ``None`` when its config does not say."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    for name in _CONTEXT_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def check_prompts_fit_context(dataset, model, response_length: int, name: str = "train_dataset", *, trainer: str = ""):
+    """Raise ``ValueError`` when the longest tokenised prompt of ``dataset`` (an ``input_ids`` column) plus
+    ``response_length`` new tokens needs more positions than the policy ``model`` has (:func:`context_length`).
+
+    Nothing is checked when the model's config gives no context length or the dataset has no ``input_ids``."""
+    limit = context_length(model)
+    if dataset is None or limit is None or "input_ids" not in (getattr(dataset, "column_names", None) or ()):
+        return
+    lengths = [len(ids) for ids in dataset["input_ids"]]
+    longest = max(lengths, default=0)
+    if longest + response_length <= limit:
+        return
+    too_long = sum(n + response_length > limit for n in lengths)
+    room = limit - response_length
+    fix = (
+        f"Truncate or filter the prompts to at most {room} tokens (e.g. `dataset.filter(lambda row: "
+        f"len(tokenizer(row['prompt']).input_ids) <= {room})`), or lower response_length"
+        if room > 0
+        else f"Lower response_length below {limit}"
+    )
+    raise ValueError(
+        f"{_prefix(trainer)}{name}: the longest prompt has {longest} tokens; with response_length={response_length} "
+        f"new tokens a sequence needs {longest + response_length} positions, but the policy's context is {limit} "
+        f"(its config's max_position_embeddings). {too_long} of {len(lengths)} prompts do not fit. {fix}."
     )

@@ -31,7 +31,14 @@ from trl.trainer import disable_dropout_in_model
 
 from ...models.offload import check_offloadable
 from ...models.quantization import keep_4bit_layers_trainable
-from ...rollout.data import PromptCollator, RolloutSampler, check_pad_token, prepare_prompt_dataset, tokenizer_of
+from ...rollout.data import (
+    PromptCollator,
+    RolloutSampler,
+    check_chat_template,
+    check_pad_token,
+    prepare_prompt_dataset,
+    tokenizer_of,
+)
 from ...rollout.generator import ReferencePolicy, RolloutGenerator, RolloutReward, SamplingSettings, generate_responses
 from ...rollout.vision import (
     VisionPromptCollator,
@@ -41,6 +48,7 @@ from ...rollout.vision import (
     vision_setup,
 )
 from . import checkpoint as ckpt
+from .checks import check_not_empty, check_prompts_fit_context, load_model_argument
 from .ema import EMA, EMACallback, load_ema, save_ema
 from .finite import FiniteStepsMixin
 from .kl_control import build_kl_controller
@@ -114,8 +122,9 @@ class OnlineTrainerMixin(FiniteStepsMixin, CompleteModelCard, VerifiedResumeMixi
     """What :meth:`save_model` writes, for its warning when ZeRO-3 weights cannot be gathered."""
 
     # ------------------------------------------------------------------------------------------------ setup
-    def _begin_setup(self, args, processing_class, train_dataset, reward_model) -> None:
-        """First step of a constructor: check what every online trainer needs, set ``self.tokenizer`` and
+    def _begin_setup(self, args, processing_class, train_dataset, reward_model, eval_dataset=None) -> None:
+        """First step of a constructor: check what every online trainer needs (before any model work: an empty
+        dataset is refused here), set ``self.tokenizer`` and
         ``self.stop_token_id``, and seed (as `Trainer` does for ``model_init``) so that weights created while building
         the models (a value head, a modulation, LoRA adapters) are reproducible from ``args.seed``.
 
@@ -125,6 +134,9 @@ class OnlineTrainerMixin(FiniteStepsMixin, CompleteModelCard, VerifiedResumeMixi
             raise TypeError(f"args must be a trl_ext {self._config_class.__name__}, got {type(args).__name__}.")
         if train_dataset is None:
             raise ValueError("`train_dataset` is required: a dataset with a 'prompt' or an 'input_ids' column.")
+        needs = "It must hold the prompts to sample responses for, in a 'prompt' or an 'input_ids' column."
+        check_not_empty(train_dataset, "train_dataset", trainer=type(self).__name__, needs=needs)
+        check_not_empty(eval_dataset, "eval_dataset", trainer=type(self).__name__, needs=needs)
         if reward_model is None:
             raise ValueError("`reward_model` is required (a reward model, a reward function, a callable or a URL).")
         if args.load_best_model_at_end:
@@ -141,6 +153,10 @@ class OnlineTrainerMixin(FiniteStepsMixin, CompleteModelCard, VerifiedResumeMixi
         self.reward_normalizer = RunningMoments() if getattr(args, "normalize_reward", False) else None
         self.ema: EMA | None = None  # the EMA of the trained weights (``ema_beta``), built when training starts
         check_pad_token(self.tokenizer)
+        for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            for key, value in dataset.items() if isinstance(dataset, dict) else [(None, dataset)]:
+                label = name if key is None else f"{name}[{key!r}]"
+                check_chat_template(value, self.tokenizer, label, processor=processing_class)
         self.stop_token_id = self.tokenizer.eos_token_id if args.stop_token == "eos" else args.stop_token_id
         enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
 
@@ -149,6 +165,25 @@ class OnlineTrainerMixin(FiniteStepsMixin, CompleteModelCard, VerifiedResumeMixi
         for module in modules:
             if isinstance(module, nn.Module):
                 disable_dropout_in_model(module)
+
+    def _load_models(self, **models):
+        """The ``models`` (``name=value``) with every one given as a string (a folder or Hub id) loaded as a causal
+        LM, in the order given (:func:`~trl_ext.trainers.common.checks.load_model_argument`); a list of them."""
+        return [load_model_argument(value, name, trainer=type(self).__name__) for name, value in models.items()]
+
+    def _check_prompts_fit(self, args, model: nn.Module, train_dataset, eval_dataset) -> None:
+        """Refuse prompt datasets whose longest prompt plus ``response_length`` exceeds the policy's context
+        (:func:`~trl_ext.trainers.common.checks.check_prompts_fit_context`; not checked for image prompts, whose
+        image tokens are added by the processor)."""
+        if self.vision_spec is not None:
+            return
+        datasets = {"train_dataset": train_dataset}
+        if isinstance(eval_dataset, dict):
+            datasets.update({f"eval_dataset[{k!r}]": v for k, v in eval_dataset.items()})
+        else:
+            datasets["eval_dataset"] = eval_dataset
+        for name, dataset in datasets.items():
+            check_prompts_fit_context(dataset, model, args.response_length, name, trainer=type(self).__name__)
 
     def _prepare_datasets(self, args, train_dataset, eval_dataset, model: nn.Module | None = None):
         """Tokenise the prompts (:func:`prepare_prompt_dataset`); ``eval_dataset`` may be a dict of datasets.

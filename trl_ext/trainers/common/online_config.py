@@ -15,7 +15,6 @@ Every check raises ``ValueError("<ConfigClass>: <what is wrong and what to chang
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -26,18 +25,10 @@ from ...losses import AGGREGATIONS
 from ...rewards import RM_TYPES
 from ...rollout.finite import NONFINITE_REWARD_OPTIONS
 from .finite import FiniteStepsArguments
+from .precision import default_bf16_off_without_gpu
 from .resume_config import ResumeConfigMixin
 
 __all__ = ["OnlineConfig", "TwistTargetConfig"]
-
-logger = logging.getLogger(__name__)
-
-
-def _has_accelerator() -> bool:
-    import torch
-
-    xpu = getattr(torch, "xpu", None)
-    return torch.cuda.is_available() or bool(xpu is not None and xpu.is_available())
 
 
 @dataclass
@@ -254,9 +245,7 @@ class OnlineConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
     )
 
     def __post_init__(self):
-        if self.bf16 is None and not self.fp16 and (self.use_cpu or not _has_accelerator()):
-            self.bf16 = False
-            logger.info("%s: no GPU found (or use_cpu=True): bf16 defaults to False.", type(self).__name__)
+        default_bf16_off_without_gpu(self)
         if self.activation_checkpointing is None and self.gradient_checkpointing is None:
             self.activation_checkpointing = True  # TRL's configs default to checkpointing on
         self._validate()

@@ -78,7 +78,8 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         processing_class: the tokenizer shared by every model (it needs a pad token), or a vision-language policy's
             processor.
         model: the policy ``p_θ`` to train (a causal LM, a PEFT model, or a vision-language model from
-            `AutoModelForImageTextToText` trained on a dataset with images, see ``docs/vision.md``).
+            `AutoModelForImageTextToText` trained on a dataset with images, see ``docs/vision.md``). A folder or Hub
+            id is loaded with `trl_ext.models.load_causal_lm` defaults (so are ``proposal_model`` and ``ref_model``).
         reward_model: a reward model sharing the tokenizer (scored on token ids), a ``(model, tokenizer)`` pair, a
             `RewardFunction` (e.g. `trl_ext.rewards.LexicalReward`), a callable ``(prompts, completions) ->
             scores`` or a reward-server URL. Higher = better.
@@ -127,11 +128,11 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         self,
         args: HarmlessnessConfig,
         processing_class,
-        model: nn.Module,
+        model: nn.Module | str,
         reward_model,
         train_dataset,
-        proposal_model: nn.Module | None = None,
-        ref_model: nn.Module | None = None,
+        proposal_model: nn.Module | str | None = None,
+        ref_model: nn.Module | str | None = None,
         eval_dataset=None,
         data_collator=None,
         callbacks: list | None = None,
@@ -143,7 +144,10 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
             raise ValueError(
                 "HarmlessnessTrainer evaluates one eval_dataset; pass a single prompt dataset (not a dict of them)."
             )
-        self._begin_setup(args, processing_class, train_dataset, reward_model)
+        self._begin_setup(args, processing_class, train_dataset, reward_model, eval_dataset)
+        model, proposal_model, ref_model = self._load_models(
+            model=model, proposal_model=proposal_model, ref_model=ref_model
+        )
         policy, proposal, reference = build_harmlessness_models(args, model, proposal_model, ref_model, peft_config)
         if args.disable_dropout:
             self._disable_dropout(policy, proposal, reference.model, reward_model)
@@ -151,6 +155,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
 
         train_dataset, eval_dataset = self._prepare_datasets(args, train_dataset, eval_dataset, model=policy)
         check_vision_models(self.vision_spec, proposal_model=proposal, ref_model=reference.model)
+        self._check_prompts_fit(args, policy, train_dataset, eval_dataset)
         self._init_trainer(
             HarmlessnessModels(policy, proposal), policy, args, data_collator, train_dataset=train_dataset,
             eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,

@@ -29,6 +29,7 @@ from trl.trainer.base_trainer import _BaseTrainer
 
 from ...losses import LossOutput, get_loss, get_loss_spec
 from ...losses.reinforce import compute_baseline
+from ...models.critic import load_critic
 from ...ops import (
     assemble_token_rewards,
     extend_mask_past_last,
@@ -42,7 +43,7 @@ from ...rollout.finite import drop_rows, expand_to_groups
 from ...rollout.generator import Rollout, RolloutReward, forward_response
 from ...rollout.vision import check_vision_critic, check_vision_models
 from ..common import checkpoint as ckpt
-from ..common.checks import refuse_same_object
+from ..common.checks import load_model_argument, refuse_same_object
 from ..common.kl_control import AdaptiveKLController
 from ..common.manifest import naming_file
 from ..common.metrics import PPOMetrics, rollout_metrics
@@ -91,16 +92,19 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         processing_class: the policy's tokenizer (it needs a pad token; prompts are left-padded for generation), or
             a vision-language policy's processor.
         model: the policy to train (`AutoModelForCausalLM`, a value-head model, a PEFT model, a modulated policy, or
-            a vision-language model from `AutoModelForImageTextToText`, see ``docs/vision.md``).
-        ref_model: the frozen reference policy. `None`: the LoRA base (adapters disabled) under PEFT, otherwise a
-            frozen copy of the initial policy. Must not be ``model`` itself.
+            a vision-language model from `AutoModelForImageTextToText`, see ``docs/vision.md``), or a folder / Hub
+            id, loaded with `trl_ext.models.load_causal_lm` defaults (load it yourself for other options).
+        ref_model: the frozen reference policy (a model, or a folder / Hub id like ``model``). `None`: the LoRA base
+            (adapters disabled) under PEFT, otherwise a frozen copy of the initial policy. Must not be ``model``
+            itself.
         reward_model: a reward model sharing the policy's tokenizer (scored on token ids, at the last real token),
             or a ``(model, tokenizer)`` pair, a `RewardFunction`, a callable ``(prompts, completions) -> scores``,
             a reward-server URL (scored on decoded text).
         train_dataset: prompts, in a ``prompt`` column (text or chat messages) or an ``input_ids`` column; for a
             vision-language policy ``prompt`` plus ``image`` (a PIL image or a path per row) or ``images``.
-        value_model: the critic (e.g. `AutoModelForSequenceClassification` with ``num_labels=1``); `None` with
-            ``shared_actor_critic=True`` or a REINFORCE-type ``actor_loss_type``.
+        value_model: the critic (e.g. `AutoModelForSequenceClassification` with ``num_labels=1``, or a folder / Hub
+            id loaded with `trl_ext.load_critic`); `None` with ``shared_actor_critic=True`` or a REINFORCE-type
+            ``actor_loss_type``.
         data_collator: collates dataset rows into ``input_ids``/``attention_mask`` (default: left-padding).
         eval_dataset: prompts for sample-completion tables and :meth:`evaluate`.
         optimizers: ``(optimizer, scheduler)``; default: `Trainer`'s, over the policy and the critic together.
@@ -137,11 +141,11 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         self,
         args: PPOConfig,
         processing_class,
-        model: nn.Module,
-        ref_model: nn.Module | None,
+        model: nn.Module | str,
+        ref_model: nn.Module | str | None,
         reward_model,
         train_dataset,
-        value_model: nn.Module | None = None,
+        value_model: nn.Module | str | None = None,
         data_collator=None,
         eval_dataset=None,
         optimizers: tuple = (None, None),
@@ -150,7 +154,9 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         pretrain_dataset=None,
     ) -> None:
         refuse_same_object(model, ref_model)
-        self._begin_setup(args, processing_class, train_dataset, reward_model)
+        self._begin_setup(args, processing_class, train_dataset, reward_model, eval_dataset)
+        model, ref_model = self._load_models(model=model, ref_model=ref_model)
+        value_model = load_model_argument(value_model, "value_model", loader=load_critic, trainer="PPOTrainer")
         policy, value_model, reference = build_ppo_models(args, model, ref_model, value_model, peft_config)
         self._disable_dropout(policy, reference.model, value_model, reward_model)
         self.policy_model, self.ref_model, self.value_model, self.reward_model = (
@@ -161,6 +167,7 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         train_dataset, eval_dataset = self._prepare_datasets(args, train_dataset, eval_dataset, model=policy)
         check_vision_models(self.vision_spec, ref_model=reference.model)
         check_vision_critic(self.vision_spec, value_model)
+        self._check_prompts_fit(args, policy, train_dataset, eval_dataset)
         self._set_sizes(args, len(train_dataset))
         wrapper = PolicyAndValueModel(
             policy, value_model, use_policy_value_head=args.shared_actor_critic and args.uses_critic

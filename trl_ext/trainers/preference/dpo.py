@@ -20,8 +20,10 @@ import trl
 
 from ..common.finite import FiniteStepsArguments, FiniteStepsMixin
 from ..common.model_card import CompleteModelCard
+from ..common.precision import default_bf16_off_without_gpu
 from ..common.resume import VerifiedResumeMixin
 from ..common.resume_config import ResumeConfigMixin
+from .checks import DPO_LOSS_TYPES, check_config, check_dpo_dataset
 from .common import (
     _DUPLICATES_TRL_LOSS,
     ExtraLoss,
@@ -50,7 +52,9 @@ class DPOConfig(FiniteStepsArguments, ExtraLossArguments, ResumeConfigMixin, trl
         > Parameters of TRL's DPOConfig
 
         See `trl.DPOConfig` (`beta`, `loss_type`, `loss_weights`, `label_smoothing`, `precompute_ref_log_probs`,
-        `max_length`, ...). Left alone, they train exactly as TRL does.
+        `max_length`, ...). Left alone, they train exactly as TRL does, except that `bf16` defaults to `False` on a
+        machine without a GPU (TRL's default, `True`, refuses to start there). Unknown `loss_type` names and
+        `max_length <= 0` are refused here.
 
         > Parameters that control the extra loss (trl_ext additions)
 
@@ -103,7 +107,9 @@ class DPOConfig(FiniteStepsArguments, ExtraLossArguments, ResumeConfigMixin, trl
     )
 
     def __post_init__(self):
+        default_bf16_off_without_gpu(self)
         super().__post_init__()
+        check_config(self, DPO_LOSS_TYPES)
         self._check_extra_loss(needs_rejected_only=False, trainer="DPOTrainer")
         if self.extra_loss is None:
             if self.extra_loss_only:
@@ -178,6 +184,8 @@ class DPOTrainer(CompleteModelCard, ExtraLossLogging, FiniteStepsMixin, Verified
 
     - ``ref_model=None`` is refused with a clear error where TRL cannot rebuild the reference from the model's path
       (a model built from a config, or a trl_ext model class): pass ``ref_model=copy.deepcopy(model)``.
+    - Empty datasets, missing columns and chat rows without a chat template are refused before any model work
+      (`trl_ext.trainers.preference.checks`).
     - A dataset with ``prompt`` and ``rejected`` only (no ``chosen``) trains with ``extra_loss="negative_dpo"`` or
       ``"unlikelihood"`` alone; such rows get an empty placeholder chosen completion (a short prompt-only sequence in
       each batch) that no loss reads.
@@ -220,6 +228,8 @@ class DPOTrainer(CompleteModelCard, ExtraLossLogging, FiniteStepsMixin, Verified
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
             args = DPOConfig(f"{name.rstrip('/').split('/')[-1]}-DPO")
+        check_dpo_dataset(train_dataset, "train_dataset", processing_class)
+        check_dpo_dataset(eval_dataset, "eval_dataset", processing_class)
         check_reference_model(model, ref_model, args, peft_config, "DPOTrainer")
         extra = ExtraLoss(args, args.beta) if getattr(args, "extra_loss", None) else None
         requested_only = bool(getattr(args, "extra_loss_only", False))

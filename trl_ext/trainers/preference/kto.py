@@ -16,8 +16,10 @@ import trl
 
 from ..common.finite import FiniteStepsArguments, FiniteStepsMixin
 from ..common.model_card import CompleteModelCard
+from ..common.precision import default_bf16_off_without_gpu
 from ..common.resume import VerifiedResumeMixin
 from ..common.resume_config import ResumeConfigMixin
+from .checks import check_config, check_kto_dataset, kto_loss_types
 from .common import (
     ExtraLoss,
     ExtraLossArguments,
@@ -41,7 +43,9 @@ class KTOConfig(FiniteStepsArguments, ExtraLossArguments, ResumeConfigMixin, trl
         > Parameters of TRL's KTOConfig
 
         See `trl.KTOConfig` (`beta`, `loss_type`, `desirable_weight`, `undesirable_weight`,
-        `precompute_ref_log_probs`, `max_length`, ...). Left alone, they train exactly as TRL does.
+        `precompute_ref_log_probs`, `max_length`, ...). Left alone, they train exactly as TRL does, except that
+        `bf16` defaults to `False` on a machine without a GPU (TRL's default, `True`, refuses to start there).
+        Unknown `loss_type` names and `max_length <= 0` are refused here.
 
         > Parameters that control the extra loss (trl_ext additions)
 
@@ -80,7 +84,9 @@ class KTOConfig(FiniteStepsArguments, ExtraLossArguments, ResumeConfigMixin, trl
     """
 
     def __post_init__(self):
+        default_bf16_off_without_gpu(self)
         super().__post_init__()
+        check_config(self, kto_loss_types())
         self._check_extra_loss(needs_rejected_only=True, trainer="KTOTrainer")
 
 
@@ -89,9 +95,10 @@ class KTOTrainer(CompleteModelCard, ExtraLossLogging, FiniteStepsMixin, Verified
 
     Arguments are those of `trl.KTOTrainer`; ``args`` is a trl_ext [`KTOConfig`] (a plain `trl.KTOConfig` works
     too, without extra loss). As in trl_ext's `DPOTrainer`, ``ref_model=None`` is refused where TRL cannot rebuild a
-    correct reference, and trl_ext models keep their own fused forward. Logged on top of TRL's metrics:
-    ``loss/kto`` (TRL's loss), ``loss/extra`` (the extra loss before its coefficient, ``0`` for a batch without
-    undesirable rows) and the extra loss's own metrics as ``extra/<name>``.
+    correct reference, and trl_ext models keep their own fused forward; empty datasets, missing columns, labels that
+    are not booleans and chat rows without a chat template are refused before any model work. Logged on top of TRL's
+    metrics: ``loss/kto`` (TRL's loss), ``loss/extra`` (the extra loss before its coefficient, ``0`` for a batch
+    without undesirable rows) and the extra loss's own metrics as ``extra/<name>``.
     """
 
     _tag_names = ["trl", "kto", "trl_ext"]
@@ -114,6 +121,8 @@ class KTOTrainer(CompleteModelCard, ExtraLossLogging, FiniteStepsMixin, Verified
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
             args = KTOConfig(f"{name.rstrip('/').split('/')[-1]}-KTO")
+        check_kto_dataset(train_dataset, "train_dataset", processing_class)
+        check_kto_dataset(eval_dataset, "eval_dataset", processing_class)
         check_reference_model(model, ref_model, args, peft_config, "KTOTrainer")
         extra = ExtraLoss(args, args.beta) if getattr(args, "extra_loss", None) else None
         super().__init__(

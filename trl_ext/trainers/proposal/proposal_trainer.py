@@ -80,7 +80,8 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
         processing_class: the tokenizer of ``q`` (it needs a pad token; prompts are left-padded for generation).
         model: the proposal ``q``. For a ``policy_psi_*`` parameterisation a causal LM (optionally trained with LoRA
             through ``peft_config``); for ``modulation_*`` a `ModulatedCausalLM` of the matching kind, or a plain
-            causal LM that is wrapped with `ModulatedCausalLM.from_base` (it becomes the frozen base).
+            causal LM that is wrapped with `ModulatedCausalLM.from_base` (it becomes the frozen base). A folder or
+            Hub id (here and for ``ref_model``) is loaded with `trl_ext.models.load_causal_lm` defaults.
         ref_model: the frozen ``p_ref`` of the target. `None`: the modulated model's own base (``modulation_*``),
             the LoRA base with adapters disabled (``peft_config``), else a frozen copy of the initial ``model``.
         reward_model: a reward model sharing the tokenizer (scored at the last real token), or a ``(model,
@@ -119,8 +120,8 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
         self,
         args: ProposalConfig,
         processing_class,
-        model: nn.Module,
-        ref_model: nn.Module | None = None,
+        model: nn.Module | str,
+        ref_model: nn.Module | str | None = None,
         reward_model=None,
         train_dataset=None,
         eval_dataset=None,
@@ -129,14 +130,16 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
         peft_config=None,
     ) -> None:
         refuse_same_object(model, ref_model)
-        self._begin_setup(args, processing_class, train_dataset, reward_model)
+        self._begin_setup(args, processing_class, train_dataset, reward_model, eval_dataset)
         self._needs = validate_twist_setup(args.parameterization, args.loss_type)
         self.reward_shaping = args.reward_shaping()
+        model, ref_model = self._load_models(model=model, ref_model=ref_model)
         model, self.reference = self._build_models(args, model, ref_model, peft_config)
         self.ref_model, self.reward_model = self.reference.model, reward_model
         self._disable_dropout(model, self.ref_model, reward_model)
 
         train_dataset, eval_dataset = self._prepare_datasets(args, train_dataset, eval_dataset)
+        self._check_prompts_fit(args, model, train_dataset, eval_dataset)
         if args.max_steps <= 0 and args.total_episodes is not None:
             args.max_steps = args.steps_for_episodes()
         prompts_per_step = args.per_device_train_batch_size * args.world_size
