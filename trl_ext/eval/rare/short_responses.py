@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +32,7 @@ from torch import nn
 from ...sampling import TokenSetPotential
 from ...sampling.cached_lm import model_device
 from ...utils import eval_mode
+from ._common import progress
 
 __all__ = ["ShortResponseTarget", "short_response_target"]
 
@@ -118,16 +119,18 @@ class ShortResponseTarget:
         go_on = ~stop[first]
         if go_on.any():
             rows = first[go_on]
-            log_p2 = _next_token_logprobs(self.model, self.prompt_ids, rows)
-            bad_tokens = bad.clone()
             phi = torch.where(
-                bad_tokens,
+                bad,
                 torch.tensor(self.potential.log_phi_bad, dtype=torch.float64),
                 torch.tensor(self.potential.log_phi_good, dtype=torch.float64),
             )
-            weights = log_p2 + torch.where(bad[rows][:, None], torch.zeros_like(log_p2), phi[None])
-            second = torch.multinomial(torch.softmax(weights, -1).float(), 1, generator=generator)[:, 0]
-            ids[go_on, 1], mask[go_on, 1] = second, 1
+            seconds, start = [], 0
+            for log_p2 in _next_token_logprobs(self.model, self.prompt_ids, rows):
+                first_bad = bad[rows[start : start + log_p2.shape[0]]][:, None]
+                weights = log_p2 + torch.where(first_bad, torch.zeros_like(log_p2), phi[None])
+                seconds.append(torch.multinomial(torch.softmax(weights, -1).float(), 1, generator=generator)[:, 0])
+                start += log_p2.shape[0]
+            ids[go_on, 1], mask[go_on, 1] = torch.cat(seconds), 1
         return ids, mask
 
 
@@ -140,14 +143,15 @@ def _prompt_cache(model: nn.Module, prompt_ids: torch.Tensor):
 
 def _next_token_logprobs(
     model: nn.Module, prompt_ids: torch.Tensor, first: torch.Tensor, batch_size: int = 256, cache=None
-) -> torch.Tensor:
-    """``(n, V)`` float64 ``log p(· | x, s_1)`` for first tokens ``first`` ``(n,)``, sharing the prompt's cache."""
+) -> Iterator[torch.Tensor]:
+    """Chunks of ``(≤ batch_size, V)`` float64 ``log p(· | x, s_1)`` for the first tokens ``first`` ``(n,)``, in
+    order, sharing the prompt's cache (yielded chunk by chunk: all ``n`` rows at once would not fit in memory for a
+    real vocabulary)."""
     device = model_device(model)
     with torch.no_grad(), eval_mode(model):
         if cache is None:
             cache, _ = _prompt_cache(model, prompt_ids)
         P = prompt_ids.shape[0]
-        out = []
         for chunk in first.split(batch_size):
             past = copy.deepcopy(cache)
             past.batch_repeat_interleave(chunk.shape[0])
@@ -159,8 +163,7 @@ def _next_token_logprobs(
                 past_key_values=past,
                 use_cache=True,
             )
-            out.append(torch.log_softmax(res.logits[:, -1].double(), -1).cpu())
-    return torch.cat(out)
+            yield torch.log_softmax(res.logits[:, -1].double(), -1).cpu()
 
 
 def short_response_target(
@@ -171,6 +174,7 @@ def short_response_target(
     max_new_tokens: int = 2,
     stop_token_ids: Sequence[int] = (),
     batch_size: int = 256,
+    show_progress: bool = False,
 ) -> ShortResponseTarget:
     """Enumerate ``σ`` for one unpadded prompt (module doc).
 
@@ -181,6 +185,7 @@ def short_response_target(
         max_new_tokens: ``T``, 1 or 2.
         stop_token_ids: tokens that end a response.
         batch_size: first tokens scored per forward pass.
+        show_progress: show a progress bar over the first tokens.
     """
     if not isinstance(potential, TokenSetPotential):
         raise ValueError(
@@ -213,10 +218,14 @@ def short_response_target(
     else:
         good = ~(bad | stop)
         first = good.nonzero().flatten()
-        log_p2 = _next_token_logprobs(model, prompt, first, batch_size, cache)
+        in_b, out_b = [], []
+        with progress(first.numel(), "enumerating first tokens", show_progress) as bar:
+            for log_p2 in _next_token_logprobs(model, prompt, first, batch_size, cache):
+                in_b.append(torch.logsumexp(log_p2[:, bad], -1))
+                out_b.append(torch.logsumexp(log_p2[:, ~bad], -1))
+                bar.update(log_p2.shape[0])
+        in_b, out_b = torch.cat(in_b), torch.cat(out_b)
         rows += first.numel()
-        in_b = torch.logsumexp(log_p2[:, bad], -1)
-        out_b = torch.logsumexp(log_p2[:, ~bad], -1)
         log_bad2[first] = in_b
         inner = torch.full((vocab,), -math.inf, dtype=torch.float64)
         inner[first] = _logaddexp(in_b + phi_bad, out_b + phi_good)
