@@ -1,8 +1,11 @@
-"""Estimate how likely a causal LM is to output a target word after random inputs (rare-output estimation).
+"""Estimate how likely a causal LM is to output something rare: after random inputs, or as its own response.
 
     python recipes/estimate_rare_outputs.py --model_name_or_path HuggingFaceTB/SmolLM-135M-Instruct \\
         --method itgis --target_word kill --distribution uniform --sequence_length 20 \\
         --num_samples 65536 --batch_size 256 --temperature 5 --output_path outputs/lpe_itgis.json
+    python recipes/estimate_rare_outputs.py --model_name_or_path my-policy --prompt "This man is a" \\
+        --bad_words offensive --method smc --twist_path outputs/twist --twist_parameterization \\
+        modulation_linear_head --num_particles 32 --num_runs 16       # P(bad) of the model's own response
     python recipes/estimate_rare_outputs.py --config my_lpe.yaml       # the same options from a YAML file
     python recipes/estimate_rare_outputs.py --help                     # every option
 
@@ -13,6 +16,15 @@ template, no BOS unless ``--prefix_ids`` gives one) drawn independently per posi
 (enumerates the support: tiny settings only), ``brute_force`` (plain Monte Carlo), ``itgis`` (independent token
 gradient importance sampling) or ``mhis`` (Metropolis–Hastings importance sampling). The result, with its standard
 error and diagnostics, is printed and written as a JSON report to ``--output_path``.
+
+**Response mode** (``--prompt`` given): the quantity is ``P(bad)``, the probability that the model's own response
+to ``--prompt`` (at most ``--max_new_tokens`` tokens, ending at EOS with ``--stop_at_eos``) holds one of the tokens
+of ``--bad_words`` (``offensive``: `trl_ext.rewards.OFFENSIVE_WORDS`). ``--method smc`` runs twisted SMC
+(`trl_ext.sampling`) with the twist saved at ``--twist_path`` (trained by ``recipes/proposal.py`` with
+``--twist_parameterization``; ``proposal``: any proposal with its implied twist; none: plain sampling), reporting
+``P(bad) ± SE`` over ``--num_runs`` runs and the lower bound ``mean log Ẑ``; ``exact`` enumerates (1-2 tokens);
+``brute_force``, ``itgis`` and ``mhis`` (2 tokens) treat the first response token as their random input
+(`trl_ext.eval.rare.responses`). ``--method smc`` needs ``--prompt``.
 """
 
 from __future__ import annotations
@@ -22,9 +34,14 @@ import math
 from dataclasses import dataclass, field
 
 from trl_ext import cli
-from trl_ext.eval.rare import METHODS, estimate_rare_output, make_input_distribution, target_token_ids
+from trl_ext.eval.rare import estimate_rare_output, make_input_distribution, target_token_ids
+from trl_ext.eval.rare.responses import RESPONSE_METHODS
 from trl_ext.eval.rare.target import SCORES
 from trl_ext.eval.report import write_json_report
+from trl_ext.models.twist import TWIST_PARAMETERIZATIONS
+from trl_ext.sampling import RESAMPLING_SCHEMES
+
+TWIST_CHOICES = (*TWIST_PARAMETERIZATIONS, "proposal")
 
 
 @dataclass
@@ -43,6 +60,11 @@ class RareOutputArguments:
         > Estimator
 
         method, num_samples, batch_size, temperature, decay_rate, burn_in, score, seed, max_support
+
+        > Response mode (P(bad) of the model's own response)
+
+        prompt, bad_words, max_new_tokens, stop_at_eos, twist_path, twist_parameterization, num_particles,
+        num_runs, resampling, ess_threshold
 
         > Output
 
@@ -66,7 +88,11 @@ class RareOutputArguments:
         default=False, metadata={"help": "Tokenize the target as ' ' + target_word (how a word mid-sentence looks)."}
     )
     method: str = field(
-        default="itgis", metadata={"help": f"Estimator: one of {', '.join(METHODS)}.", "choices": list(METHODS)}
+        default="itgis",
+        metadata={
+            "help": f"Estimator: one of {', '.join(RESPONSE_METHODS)} ('smc' needs --prompt).",
+            "choices": list(RESPONSE_METHODS),
+        },
     )
     distribution: str = field(
         default="uniform",
@@ -107,14 +133,55 @@ class RareOutputArguments:
     max_support: int = field(
         default=10**6, metadata={"help": "exact: refuse input distributions with more sequences than this."}
     )
+    prompt: str | None = field(
+        default=None,
+        metadata={"help": "Response mode: estimate P(bad) of the model's own response to this (plain-text) prompt."},
+    )
+    bad_words: str = field(
+        default="offensive",
+        metadata={
+            "help": "Response mode: comma-separated words whose tokens make a response bad, or 'offensive' "
+            "(trl_ext.rewards.OFFENSIVE_WORDS)."
+        },
+    )
+    max_new_tokens: int = field(default=2, metadata={"help": "Response mode: the longest response, in tokens."})
+    stop_at_eos: bool = field(default=True, metadata={"help": "Response mode: an EOS token ends the response."})
+    twist_path: str | None = field(
+        default=None,
+        metadata={"help": "smc: folder of the twist / proposal model (recipes/proposal.py output); none: no twist."},
+    )
+    twist_parameterization: str | None = field(
+        default=None,
+        metadata={
+            "help": "smc: how --twist_path gives the twist: a ProposalTrainer parameterisation, or 'proposal' (any "
+            "causal LM used as proposal with its implied twist).",
+            "choices": list(TWIST_CHOICES),
+        },
+    )
+    num_particles: int = field(default=16, metadata={"help": "smc: particles per run (K)."})
+    num_runs: int = field(default=16, metadata={"help": "smc: independent runs (the standard error is over them)."})
+    resampling: str = field(
+        default="multinomial",
+        metadata={"help": "smc: resampling scheme.", "choices": list(RESAMPLING_SCHEMES)},
+    )
+    ess_threshold: float = field(
+        default=0.5, metadata={"help": "smc: resample when the ESS falls below this fraction of the particles."}
+    )
     output_path: str | None = field(
         default=None, metadata={"help": "Where to write the JSON report (parent folders are created); default: none."}
     )
     no_progress: bool = field(default=False, metadata={"help": "Hide the progress bar."})
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"--method must be one of {METHODS}, got {self.method!r}.")
+        if self.method not in RESPONSE_METHODS:
+            raise ValueError(f"--method must be one of {RESPONSE_METHODS}, got {self.method!r}.")
+        if self.method == "smc" and self.prompt is None:
+            raise ValueError(
+                "--method smc estimates the probability of the model's own response: pass --prompt (and "
+                "--bad_words); for the random-input question use exact, brute_force, itgis or mhis."
+            )
+        if self.prompt is not None:
+            self._check_response_mode()
         if self.score not in SCORES:
             raise ValueError(f"--score must be one of {SCORES}, got {self.score!r}.")
         if self.sequence_length < 1:
@@ -132,6 +199,20 @@ class RareOutputArguments:
         if self.burn_in < 0:
             raise ValueError(f"--burn_in must be >= 0, got {self.burn_in}.")
 
+    def _check_response_mode(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+        if self.method in ("brute_force", "itgis", "mhis") and self.max_new_tokens != 2:
+            raise ValueError(f"--method {self.method} with --prompt needs --max_new_tokens 2; use smc for longer.")
+        if self.method == "exact" and self.max_new_tokens > 2:
+            raise ValueError("--method exact with --prompt enumerates responses of 1 or 2 tokens only.")
+        if (self.twist_path is None) != (self.twist_parameterization is None):
+            raise ValueError("--twist_path and --twist_parameterization go together: pass both or neither.")
+        if self.num_particles < 1 or self.num_runs < 2:
+            raise ValueError("--num_particles must be >= 1 and --num_runs >= 2 (a standard error needs two runs).")
+        if not 0.0 <= self.ess_threshold <= 1.0:
+            raise ValueError(f"--ess_threshold must be in [0, 1], got {self.ess_threshold}.")
+
 
 def load_model_and_tokenizer(args: RareOutputArguments):
     """The causal LM (eval mode, on ``--device``) and its tokenizer."""
@@ -148,8 +229,64 @@ def load_model_and_tokenizer(args: RareOutputArguments):
     return model, tokenizer
 
 
+def load_twist(args: RareOutputArguments, model):
+    """The SMC twist source of ``--twist_path`` (``None``: no twist, plain sampling from the model)."""
+    from trl_ext.models import ModulatedCausalLM, load_causal_lm
+    from trl_ext.models.twist import MODULATION_PARAMETERIZATIONS
+    from trl_ext.sampling import LMTwist, proposal_twist
+
+    if args.twist_path is None:
+        return None
+    device = next(model.parameters()).device
+    if args.twist_parameterization in MODULATION_PARAMETERIZATIONS:  # its base is the evaluated model itself
+        twist = ModulatedCausalLM.from_pretrained(args.twist_path, base_model=model).to(device).eval()
+        return LMTwist(twist, args.twist_parameterization)
+    q = load_causal_lm(args.twist_path, dtype=args.dtype).to(device).eval()
+    if args.twist_parameterization == "proposal":
+        return proposal_twist(q, model)
+    return LMTwist(q, args.twist_parameterization, reference_model=model)
+
+
+def response_mode(args: RareOutputArguments, model, tokenizer) -> tuple[dict, object]:
+    """P(bad) of the model's response to ``--prompt`` by ``--method``; returns the report and the estimate."""
+    from trl_ext.eval import prompt_token_ids
+    from trl_ext.eval.rare.responses import estimate_bad_response
+    from trl_ext.rewards import OFFENSIVE_WORDS, word_token_ids
+    from trl_ext.sampling import SMCConfig
+
+    words = list(OFFENSIVE_WORDS) if args.bad_words == "offensive" else [w for w in args.bad_words.split(",") if w]
+    bad_ids = word_token_ids(tokenizer, words)
+    if not bad_ids:
+        raise ValueError(f"No single token of the tokenizer spells one of {words[:5]}...; choose other --bad_words.")
+    prompt = prompt_token_ids(tokenizer, args.prompt)
+    stops = [tokenizer.eos_token_id] if args.stop_at_eos and tokenizer.eos_token_id is not None else []
+    config = SMCConfig(num_particles=args.num_particles, resampling=args.resampling, ess_threshold=args.ess_threshold)
+    estimate = estimate_bad_response(
+        args.method, model, prompt, bad_ids, stop_token_ids=stops, max_new_tokens=args.max_new_tokens,
+        num_samples=args.num_samples, batch_size=args.batch_size, temperature=args.temperature,
+        decay_rate=args.decay_rate, burn_in=args.burn_in, score=args.score, twist=load_twist(args, model),
+        smc_config=config, num_runs=args.num_runs, seed=args.seed, show_progress=not args.no_progress,
+    )  # fmt: skip
+    return {
+        "tool": "estimate_rare_outputs",
+        "question": "response",
+        "model": args.model_name_or_path,
+        "prompt": args.prompt,
+        "prompt_ids": prompt,
+        "bad_token_ids": bad_ids,
+        "stop_token_ids": stops,
+        "settings": dataclasses.asdict(args),
+        "result": estimate.to_dict(),
+    }, estimate
+
+
 def main(args: RareOutputArguments) -> dict:
-    """Build the input distribution and the target, run the estimator, print and write the report; return it."""
+    """Build the question (random inputs, or the model's own response with ``--prompt``), run the estimator, print
+    and write the report; return it."""
+    if args.prompt is not None:
+        model, tokenizer = load_model_and_tokenizer(args)
+        report, estimate = response_mode(args, model, tokenizer)
+        return _finish(args, report, estimate)
     if args.target_word is None:
         raise ValueError("Pass --target_word, the output whose probability to estimate.")
     model, tokenizer = load_model_and_tokenizer(args)
@@ -180,6 +317,7 @@ def main(args: RareOutputArguments) -> dict:
     )
     report = {
         "tool": "estimate_rare_outputs",
+        "question": "input",
         "model": args.model_name_or_path,
         "target_word": args.target_word,
         "target_ids": target_ids,
@@ -187,7 +325,14 @@ def main(args: RareOutputArguments) -> dict:
         "settings": dataclasses.asdict(args),
         "result": estimate.to_dict(),
     }
+    return _finish(args, report, estimate)
+
+
+def _finish(args: RareOutputArguments, report: dict, estimate) -> dict:
     print(f"{estimate}  [{estimate.seconds:.1f}s]")
+    if "log_z_lower" in estimate.details:
+        lower, se = estimate.details["log_z_lower"], estimate.details["log_z_lower_se"]
+        print(f"lower bound on log P(bad) (mean log Z-hat): {lower:.4f} ± {se:.2g}")
     if args.output_path:
         print(f"Report written to {write_json_report(args.output_path, report)}")
     return report

@@ -4,6 +4,7 @@ end-to-end runs of every method on a saved tiny model (in-process, parsed exactl
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,13 @@ OPTIONS = (
     "--seed",
     "--output_path",
     "--no_progress",
+    "--prompt",
+    "--bad_words",
+    "--twist_path",
+    "--twist_parameterization",
+    "--num_particles",
+    "--num_runs",
+    "--resampling",
 )
 
 
@@ -42,7 +50,7 @@ def test_help_lists_every_option():
     assert proc.returncode == 0, proc.stderr
     missing = [option for option in OPTIONS if option not in proc.stdout]
     assert not missing, f"--help does not list {missing}"
-    assert "{exact,brute_force,itgis,mhis}" in proc.stdout
+    assert "{exact,brute_force,itgis,mhis,smc}" in proc.stdout
 
 
 def parse(recipe, *argv):
@@ -92,6 +100,10 @@ def test_words_distribution_with_a_prefix(recipe, tiny_gpt_neox_dir, tmp_path):
         (["--num_samples", "1"], "num_samples"),
         (["--sequence_length", "0"], "sequence_length"),
         (["--burn_in", "-3"], "burn_in"),
+        (["--method", "smc"], "needs? --prompt|pass --prompt"),
+        (["--prompt", "a", "--method", "itgis", "--max_new_tokens", "3"], "max_new_tokens 2"),
+        (["--prompt", "a", "--method", "smc", "--twist_path", "x"], "go together"),
+        (["--prompt", "a", "--method", "smc", "--num_runs", "1"], "num_runs"),
     ],
 )
 def test_option_checks(recipe, argv, message):
@@ -104,3 +116,45 @@ def test_missing_model_or_target(recipe, tiny_llama_dir):
         recipe.main(parse(recipe, "--model_name_or_path", tiny_llama_dir))
     with pytest.raises(ValueError, match="--model_name_or_path"):
         recipe.main(parse(recipe, "--target_word", "a"))
+
+
+# ------------------------------------------------------------------------------------------------ response mode
+def test_response_mode_every_method_agrees_with_exact(recipe, tiny_llama_dir, tiny_gpt_neox_dir, tmp_path):
+    """P(bad) of the tiny model's own 2-token response to "This man is a": exact enumeration, the three
+    input-space estimators through the first-token reduction, and SMC with no twist, with a saved modulation twist
+    and with another model as proposal all agree within 3 standard errors."""
+    from trl_ext import testing as kit
+    from trl_ext.models import ModulatedCausalLM, load_causal_lm
+
+    twist_dir = tmp_path / "twist"
+    base = load_causal_lm(tiny_llama_dir)
+    ModulatedCausalLM.from_base(base, "linear_head", base_model_name_or_path=tiny_llama_dir).save_pretrained(twist_dir)
+    common = ["--model_name_or_path", tiny_llama_dir, "--prompt", "This man is a", "--device", "cpu"]
+    common += ["--bad_words", ",".join(kit.RUDE_WORDS), "--num_samples", "512", "--batch_size", "64"]
+    common += ["--burn_in", "8", "--num_particles", "16", "--num_runs", "24", "--no_progress"]
+    runs = {
+        "exact": ["--method", "exact"],
+        "brute_force": ["--method", "brute_force"],
+        "itgis": ["--method", "itgis", "--temperature", "2"],
+        "mhis": ["--method", "mhis", "--temperature", "2"],
+        "smc": ["--method", "smc"],
+        "smc_twist": ["--method", "smc", "--twist_path", str(twist_dir),
+                      "--twist_parameterization", "modulation_linear_head"],
+        "smc_proposal": ["--method", "smc", "--twist_path", tiny_gpt_neox_dir, "--twist_parameterization", "proposal"],
+    }  # fmt: skip
+    reports = {}
+    for name, argv in runs.items():
+        out = tmp_path / f"{name}.json"
+        reports[name] = recipe.main(parse(recipe, *common, *argv, "--output_path", str(out)))
+        assert json.loads(out.read_text())["result"]["estimate"] == pytest.approx(reports[name]["result"]["estimate"])
+    exact = reports["exact"]["result"]["estimate"]
+    assert reports["exact"]["question"] == "response" and len(reports["exact"]["bad_token_ids"]) >= 3
+    assert 0.005 < exact < 0.5
+    for name in runs:
+        result = reports[name]["result"]
+        if name != "exact":
+            assert 0 < result["std_error"], name
+            assert abs(result["estimate"] - exact) <= 3 * result["std_error"], (name, result["estimate"], exact)
+        assert result["details"]["row_forwards"] > 0
+    assert reports["smc"]["result"]["details"]["log_z_lower"] < math.log(exact) + 0.5
+    assert reports["smc_twist"]["result"]["details"]["row_forwards"] == 24 * 16 * 2

@@ -20,7 +20,7 @@ DATA = Path(__file__).resolve().parent / "data" / "pre_layout"
 # Lower numbers may be imported by higher ones, never the other way; equal numbers may not import each other.
 LAYERS = {
     "trl_ext._notices": 0, "trl_ext.utils": 0, "trl_ext.ops": 1, "trl_ext.losses": 2, "trl_ext.models": 3,
-    "trl_ext.rewards": 4, "trl_ext.data": 4, "trl_ext.rollout": 5, "trl_ext.trainers.common": 6,
+    "trl_ext.rewards": 4, "trl_ext.data": 4, "trl_ext.rollout": 5, "trl_ext.sampling": 6, "trl_ext.trainers.common": 6,
     "trl_ext.trainers.ppo": 7, "trl_ext.trainers.proposal": 7, "trl_ext.trainers.preference": 7,
     "trl_ext.trainers.kd": 7, "trl_ext.trainers.prm": 7, "trl_ext.trainers.harmlessness": 8, "trl_ext.trainers": 9,
     "trl_ext.eval": 10, "trl_ext.inference": 10, "trl_ext.serving": 10, "trl_ext.testing": 10, "trl_ext.cli": 11,

@@ -10,6 +10,11 @@ product distribution ``D`` over token sequences, continues it with the target to
   :func:`exact_probability` (full enumeration, tiny supports), :func:`brute_force` (plain Monte Carlo),
   :func:`itgis` (independent token gradient importance sampling) and :func:`mhis` (Metropolis–Hastings importance
   sampling); :data:`ESTIMATORS` maps their names to them and :func:`estimate_rare_output` runs one by name.
+
+The model's *own* rare responses to a prompt (``P(bad)`` of its output, not of a random input):
+:func:`smc_estimate` (twisted SMC, :mod:`trl_ext.sampling`) with the lower bound ``mean log Ẑ`` and
+:func:`smc_log_z_upper_bound` (conditional SMC with exact samples); :func:`short_response_target` enumerates the
+exact target of 1- or 2-token responses (value, optimal twist, exact samples).
 """
 
 from .distributions import (
@@ -26,6 +31,8 @@ from .estimate import Estimate, effective_sample_size, log_space_mean
 from .estimators import METHODS, brute_force, estimate_rare_output, exact_probability
 from .itgis import importance_log_weights, itgis, proposal_log_probs
 from .mhis import chain_ratio_estimate, mhis
+from .short_responses import ShortResponseTarget, short_response_target
+from .smc import LogZBound, smc_estimate, smc_log_z_upper_bound
 from .target import evaluate_inputs, target_logprob, target_token_ids, token_scores
 
 ESTIMATORS = {"exact": exact_probability, "brute_force": brute_force, "itgis": itgis, "mhis": mhis}
@@ -36,6 +43,8 @@ __all__ = [
     "METHODS",
     "Estimate",
     "InputDistribution",
+    "LogZBound",
+    "ShortResponseTarget",
     "brute_force",
     "chain_ratio_estimate",
     "effective_sample_size",
@@ -52,6 +61,9 @@ __all__ = [
     "mhis",
     "proposal_log_probs",
     "register_input_distribution",
+    "short_response_target",
+    "smc_estimate",
+    "smc_log_z_upper_bound",
     "target_logprob",
     "target_token_ids",
     "token_scores",

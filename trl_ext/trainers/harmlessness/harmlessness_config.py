@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -75,6 +76,15 @@ class HarmlessnessConfig(PtxConfigMixin, TwistTargetConfig):
         indicator_mask (`bool`, *optional*, defaults to `False`):
             Multiply the σ-weights by `1[exp(log φ) > 2e-16]` (the original's indicator), so a prompt without any
             "bad" proposal sample gets no negative update.
+        negative_sampler (`str`, *optional*, defaults to `"proposal"`):
+            How the negatives of the σ-weighted term are drawn: `"proposal"` (the proposal's own samples with
+            self-normalised importance weights) or `"smc"` (the final particles of twisted SMC towards σ, with the
+            learned proposal as twist and the sampler's weights; `trainers.harmlessness.smc_negatives`).
+        smc_resampling (`str`, *optional*, defaults to `"multinomial"`):
+            With `negative_sampler="smc"`: `"multinomial"`, `"systematic"` or `"none"`.
+        smc_ess_threshold (`float`, *optional*, defaults to `0.5`):
+            With `negative_sampler="smc"`: resample when the effective sample size is below this fraction of the
+            `num_samples_per_prompt` particles.
         loss_aggregation (`str`, *optional*, defaults to `"seq-mean-token-mean"`):
             Reduction of per-token losses: `"seq-mean-token-mean"` (the original's), `"seq-mean-token-sum"` or
             `"token-mean"`.
@@ -307,6 +317,20 @@ class HarmlessnessConfig(PtxConfigMixin, TwistTargetConfig):
         default=False,
         metadata={"help": "Multiply the sigma-weights by 1[exp(log phi) > 2e-16] (the original's indicator)."},
     )
+    negative_sampler: Literal["proposal", "smc"] = field(
+        default="proposal",
+        metadata={
+            "help": "Negatives of the sigma-weighted term: 'proposal' (its samples, self-normalised weights) or "
+            "'smc' (twisted SMC particles towards sigma with the proposal as twist, the sampler's weights)."
+        },
+    )
+    smc_resampling: Literal["multinomial", "systematic", "none"] = field(
+        default="multinomial", metadata={"help": "negative_sampler='smc': the resampling scheme."}
+    )
+    smc_ess_threshold: float = field(
+        default=0.5,
+        metadata={"help": "negative_sampler='smc': resample below this ESS fraction of the particles (0 to 1)."},
+    )
 
     # -------------------------------------------------------------------------------------- target, rewards
     anneal_target_dist_beta: float | None = field(
@@ -418,6 +442,7 @@ class HarmlessnessConfig(PtxConfigMixin, TwistTargetConfig):
         self._validate_generation(fail)
         self._validate_losses(fail)
         self._validate_target(fail)
+        self._validate_negative_sampler(fail)
         self._validate_schedule(fail)
 
     def _validate_generation(self, fail) -> None:
@@ -516,6 +541,35 @@ class HarmlessnessConfig(PtxConfigMixin, TwistTargetConfig):
             fail(
                 f"anneal_target_dist_beta={self.anneal_target_dist_beta} -> target_dist_beta={self.target_dist_beta}: "
                 f"a log-spaced beta schedule needs both values {wanted} with rm_type={self.rm_type!r}."
+            )
+
+    def _validate_negative_sampler(self, fail) -> None:
+        if self.negative_sampler not in ("proposal", "smc"):
+            fail(f"negative_sampler={self.negative_sampler!r}: choose 'proposal' or 'smc'.")
+        if not 0.0 <= self.smc_ess_threshold <= 1.0:
+            fail(f"smc_ess_threshold={self.smc_ess_threshold}: choose a value in [0, 1].")
+        if self.negative_sampler != "smc":
+            return
+        if not self.uses_proposal_model:
+            fail(
+                "negative_sampler='smc' uses the learned proposal as the SMC twist, but no proposal is trained "
+                f"(loss_type={self.loss_type!r}, use_base_as_proposal={self.use_base_as_proposal}); use a loss with "
+                "negative samples (e.g. 'neg_training') without use_base_as_proposal, or negative_sampler='proposal'."
+            )
+        if self.temperature != 1.0:
+            fail(
+                f"negative_sampler='smc' targets σ ∝ p_θ·φ with p_θ at temperature 1, but temperature="
+                f"{self.temperature}; set temperature=1.0 or use negative_sampler='proposal'."
+            )
+        if self.uniform_reweight or self.separate_reweighting_beta is not None:
+            fail(
+                "negative_sampler='smc' weights the negatives with the sampler's own weights; uniform_reweight and "
+                "separate_reweighting_beta only apply to negative_sampler='proposal'."
+            )
+        if "neg_rewards" in inspect.signature(get_loss_spec(self.loss_type).fn).parameters:
+            fail(
+                f"loss_type={self.loss_type!r} also takes the negatives' returns, measured on the proposal's samples; "
+                "negative_sampler='smc' replaces those samples. Use negative_sampler='proposal'."
             )
 
     def _validate_schedule(self, fail) -> None:

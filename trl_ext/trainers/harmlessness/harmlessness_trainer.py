@@ -55,6 +55,7 @@ from ..proposal.twist_step import TwistLossOutput, twist_loss
 from .harmlessness_config import HarmlessnessConfig
 from .io import HarmlessnessTrainerIO
 from .models import HarmlessnessModels, build_harmlessness_models, parameter_groups
+from .smc_negatives import SMCNegatives, smc_negatives
 from .steps import (
     HarmlessnessRewards,
     HarmlessnessRollouts,
@@ -156,6 +157,8 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         train_dataset, eval_dataset = self._prepare_datasets(args, train_dataset, eval_dataset, model=policy)
         check_vision_models(self.vision_spec, proposal_model=proposal, ref_model=reference.model)
         self._check_prompts_fit(args, policy, train_dataset, eval_dataset)
+        if self.vision_spec is not None and args.negative_sampler == "smc":
+            raise ValueError("negative_sampler='smc' does not support image inputs; use negative_sampler='proposal'.")
         self._init_trainer(
             HarmlessnessModels(policy, proposal), policy, args, data_collator, train_dataset=train_dataset,
             eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
@@ -333,7 +336,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         start = time.perf_counter()
         parts = [rollouts.policy]
         if rollouts.proposal is not None and self.args.uses_negative_samples:
-            parts.append(rollouts.proposal)
+            parts.append(rollouts.negatives if rollouts.negatives is not None else rollouts.proposal)
         ids, mask, T = stack_rollouts(parts)
         vision = concat_vision([part.vision for part in parts])
         with self._wrapper.acting_as("policy"):
@@ -413,7 +416,26 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         proposal = None
         if self.proposal is not None:
             proposal = self._sample("proposal", model, prompt_ids, prompt_mask, vision)
-        return HarmlessnessRollouts(policy=policy, proposal=proposal)
+        rollouts = HarmlessnessRollouts(policy=policy, proposal=proposal)
+        if self.args.negative_sampler == "smc":  # (image inputs are refused at construction)
+            drawn = self.sample_negatives(prompt_ids, prompt_mask)
+            rollouts.negatives, rollouts.negative_weights = drawn.rollout, drawn.weights
+            self._metrics.add("negatives/resampling_count", drawn.num_resampling.float().mean())
+            self._metrics.add("negatives/log_z", drawn.log_z.float().mean())
+        return rollouts
+
+    def sample_negatives(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> SMCNegatives:
+        """``N`` negatives per prompt by twisted SMC towards σ, the proposal as twist (`smc_negatives`)."""
+        args, sampling = self.args, self._sampling
+        generator = self._generators["proposal"]
+        return smc_negatives(
+            self.policy, self.proposal, args.parameterization, generator.reward, self._target_log_phi,
+            prompt_ids, prompt_mask, num_particles=args.num_samples_per_prompt,
+            max_new_tokens=sampling.max_new_tokens, stop_token_ids=list(sampling.stop_token_ids or []),
+            pad_token_id=sampling.pad_token_id, resampling=args.smc_resampling, ess_threshold=args.smc_ess_threshold,
+            missing_eos_penalty=args.missing_eos_penalty,
+            indicator_threshold=ORIGINAL_INDICATOR_THRESHOLD if args.indicator_mask else None,
+        )  # fmt: skip
 
     def _target_log_phi(self, raw: torch.Tensor) -> torch.Tensor:
         """``log φ = β·R`` of raw rewards with the current β (transformed first with ``transform_both_sides``)."""
@@ -528,8 +550,13 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         if not args.uses_negative_samples:
             return loss.call(*grouped, **common)
         negative = p if args.use_base_as_proposal else rollouts.proposal
+        if rollouts.negatives is not None:
+            negative = rollouts.negatives
         neg_rewards = rewards.policy_return if args.use_base_as_proposal else rewards.proposal_return
-        self._last_weights = self.neg_weights(rollouts, rewards, weight_logprobs)
+        if rollouts.negative_weights is not None:
+            self._last_weights = rollouts.negative_weights
+        else:
+            self._last_weights = self.neg_weights(rollouts, rewards, weight_logprobs)
         kwargs = {
             "logprobs": grouped[0],
             "rewards": grouped[1],

@@ -39,6 +39,10 @@ class HarmlessnessRollouts:
 
     policy: Rollout
     proposal: Rollout | None = None
+    negatives: Rollout | None = None
+    """With ``negative_sampler="smc"``: the SMC particles used as negatives (else the proposal's samples are)."""
+    negative_weights: torch.Tensor | None = None
+    """``(P, N)`` the sampler's normalised weights of ``negatives``."""
 
 
 @dataclass
