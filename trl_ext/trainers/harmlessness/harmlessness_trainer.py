@@ -63,7 +63,6 @@ from .steps import (
     log_spaced_value,
     reward_shapings,
     stack_rollouts,
-    step_metrics,
 )
 
 __all__ = ["HarmlessnessTrainer"]
@@ -571,49 +570,3 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         if self._needs_neg_rewards and neg_rewards is not None:  # loss-specific: only for losses naming it
             kwargs["neg_rewards"] = group(neg_rewards, N)
         return loss.call(**kwargs)
-
-    # ----------------------------------------------------------------------------------------------- metrics
-    def _save_negative_data(self, rollouts: HarmlessnessRollouts) -> None:
-        if self._negdata is None:
-            return
-        step = self.state.global_step
-        self._negdata.add(rollouts.policy, rollouts.policy.scores, step=step, source="policy")
-        if rollouts.proposal is not None:
-            self._negdata.add(rollouts.proposal, rollouts.proposal.scores, step=step, source="proposal")
-
-    def _record_step(self, rollouts, rewards, p_out: LossOutput, p_lp: torch.Tensor, q_out) -> None:
-        """Per-step metrics (:func:`~trl_ext.trainers.harmlessness.steps.step_metrics`), averaged over processes
-        (``*/logprob_diff``: the largest), plus timings and the current ``beta``/``alpha``."""
-        weights = self._last_weights if self.args.uses_negative_samples else None
-        kl_coef = self.kl_controller.value
-        values = step_metrics(self.args, rollouts, rewards, p_out, p_lp, q_out, weights, kl_coef=kl_coef)
-        if self._ptx is not None:
-            values["loss/ptx"] = self._last_ptx
-        keys = list(values)
-        device = rollouts.policy.scores.device
-        stacked = torch.stack([torch.as_tensor(values[k], dtype=torch.float32, device=device) for k in keys])
-        stacked = self.accelerator.gather(stacked.unsqueeze(0)).float()
-        for key, column in zip(keys, stacked.T):
-            self._metrics.add(key, column.max() if key.endswith("logprob_diff") else column.mean())
-        kl_sum, micro_steps, samples = self._kl_accumulator
-        kl = float(stacked[:, keys.index("base/kl")].mean())
-        samples += rollouts.policy.batch_size * self.accelerator.num_processes
-        self._kl_accumulator = (kl_sum + kl, micro_steps + 1, samples)
-        self._metrics.scalars["base/kl_coef"] = kl_coef
-        self._metrics.add("timing/generation_policy", sum(rollouts.policy.timings.values()))
-        if rollouts.proposal is not None:
-            self._metrics.add("timing/generation_proposal", sum(rollouts.proposal.timings.values()))
-        for key, seconds in self._timings.items():
-            self._metrics.add(f"timing/{key}", seconds)
-        self._metrics.scalars.update(beta=self.beta, alpha=self.alpha)
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add the metrics collected since the last log (and the proposal's learning rate) to `Trainer`'s logs."""
-        if not any(key.startswith("eval_") for key in logs):
-            logs.update(self._metrics.pop())
-            if self.optimizer is not None and "learning_rate" in logs and self.proposal is not None:
-                # `learning_rate` is the policy's, read before the scheduler's step; the proposal's follows it.
-                initial = {g.get("part"): g.get("initial_lr", g["lr"]) for g in self.optimizer.param_groups}
-                if initial.get("policy"):
-                    logs["proposal/learning_rate"] = logs["learning_rate"] * initial["proposal"] / initial["policy"]
-        super().log(logs, start_time)
