@@ -444,7 +444,8 @@ def test_lora_adapters_on_both_models_and_the_base_as_reference(tmp_path, caplog
 
 # ---------------------------------------------------------------------------------------- metrics, evaluation
 def test_metrics_of_a_step(tmp_path):
-    trainer = toy_trainer(toy_args(tmp_path, max_steps=1), eval_dataset=Dataset.from_dict({"input_ids": [PROMPT] * 2}))
+    args = toy_args(tmp_path, max_steps=1, kl_coef=0.05)
+    trainer = toy_trainer(args, eval_dataset=Dataset.from_dict({"input_ids": [PROMPT] * 2}))
     trainer.train()
     logs = next(h for h in trainer.state.log_history if "loss/policy" in h)
     for key in ("reward", "untransformed_reward", "return", "kl", "f_q", "entropy", "response_length"):

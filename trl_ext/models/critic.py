@@ -145,14 +145,22 @@ def load_critic(
     return model.train()
 
 
-def get_token_values(critic: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def get_token_values(
+    critic: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Per-token values ``V_{b,t} = head(h_{b,t})`` as float32 ``(B, T)``, zero on padding positions.
 
     Positions are computed from the mask, so left padding gives the same values as no padding. ``V_t`` is the
     value of the prefix ending at token ``t``; aligning it with actions (PPO reads ``V`` at the token *before* each
-    action) is the caller's job. Gradients flow.
+    action) is the caller's job. Gradients flow. Packed rows (padding-free): ``attention_mask=None`` and the rows'
+    ``position_ids`` ``(1, N)`` (restarting at 0 for every row).
     """
-    values = get_token_scores(critic, input_ids, attention_mask)
+    values = get_token_scores(critic, input_ids, attention_mask, position_ids=position_ids)
     if values.shape[-1] != 1:
         raise ValueError(f"A critic needs a single-output head; got {values.shape[-1]} outputs.")
+    if attention_mask is None:
+        return values[..., 0].float()
     return values[..., 0].float() * (attention_mask != 0).to(torch.float32)

@@ -79,15 +79,22 @@ def _decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
 
 
 def _backbone_hidden(
-    backbone: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, **extra
+    backbone: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None = None,
+    **extra,
 ) -> torch.Tensor:
-    """Last hidden states ``(B, T, H)``; position ids come from the mask, so left padding does not shift positions.
-    ``extra`` inputs (e.g. ``token_type_ids``) are passed when the backbone's ``forward`` takes them."""
+    """Last hidden states ``(B, T, H)``; position ids come from the mask (unless given), so left padding does not
+    shift positions. ``extra`` inputs (e.g. ``token_type_ids``) are passed when the backbone's ``forward`` takes
+    them."""
     params = inspect.signature(unwrap_model(backbone).forward).parameters  # PEFT wraps forward(*args, **kwargs)
     kwargs: dict[str, Any] = {k: v for k, v in extra.items() if k in params and v is not None}
     kwargs["attention_mask"] = attention_mask
-    if "position_ids" in params:
-        kwargs["position_ids"] = position_ids_from_attention_mask(attention_mask)
+    if position_ids is None and attention_mask is not None:
+        position_ids = position_ids_from_attention_mask(attention_mask)
+    if "position_ids" in params and position_ids is not None:
+        kwargs["position_ids"] = position_ids
     if "use_cache" in params:
         kwargs["use_cache"] = False
     out = backbone(input_ids=input_ids, **kwargs)
@@ -171,11 +178,17 @@ def clear_reward_normalization(model: nn.Module) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ score reading
-def get_token_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def get_token_scores(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Per-token scores ``head(h_t)`` of shape ``(B, T, num_labels)`` for decoder reward / value models.
 
-    Positions come from the mask (see :func:`get_sequence_scores`); normalisation, if on, is applied by the head.
-    Gradients flow (use ``torch.no_grad()`` for inference).
+    Positions come from the mask (see :func:`get_sequence_scores`) unless ``position_ids`` are given (packed rows:
+    ``attention_mask=None`` with per-row positions); normalisation, if on, is applied by the head. Gradients flow
+    (use ``torch.no_grad()`` for inference).
     """
     parts = _decoder_parts(model)
     if parts is None:
@@ -185,7 +198,7 @@ def get_token_scores(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
         )
     apply_reward_normalization(model)
     backbone, head = parts
-    return head(_backbone_hidden(backbone, input_ids, attention_mask))
+    return head(_backbone_hidden(backbone, input_ids, attention_mask, position_ids))
 
 
 def get_sequence_scores(

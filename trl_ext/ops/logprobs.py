@@ -231,7 +231,7 @@ class _ChunkedHiddenLogProbs(torch.autograd.Function):
     """``log_softmax((hidden @ Wᵀ + b)/T)[labels]`` without materialising the ``(N, V)`` logits."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, ignore_index):
+    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, ignore_index, with_entropy):
         flat_h = hidden.reshape(-1, hidden.shape[-1])
         n = flat_h.shape[0]
         safe, valid = _prepare_labels(labels, weight.shape[0], ignore_index)
@@ -239,20 +239,28 @@ class _ChunkedHiddenLogProbs(torch.autograd.Function):
             n, dtype=_compute_dtype(torch.promote_types(hidden.dtype, weight.dtype)), device=hidden.device
         )
         lse = torch.empty_like(out)
+        entropy = torch.empty_like(out) if with_entropy else None
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
             z = _scaled_fp32(F.linear(flat_h[start:end], weight, bias), temperature)
-            lse_c = torch.logsumexp(z, dim=-1)
+            if entropy is None:
+                lse_c = torch.logsumexp(z, dim=-1)
+            else:  # the same shifted pass as `logprobs_from_logits(..., return_entropy=True)` (T already applied)
+                lse_c, entropy[start:end] = _lse_chunk(z, 1.0, True)
             lse[start:end] = lse_c
             out[start:end] = z.gather(1, safe[start:end].unsqueeze(-1)).squeeze(-1) - lse_c
         out = torch.where(valid, out, torch.zeros_like(out))
         ctx.save_for_backward(flat_h, weight, bias, safe, valid, lse)
         ctx.temperature, ctx.chunk_size, ctx.hidden_shape = temperature, chunk_size, hidden.shape
-        return out.view(labels.shape)
+        if entropy is None:
+            return out.view(labels.shape)
+        entropy = entropy.view(labels.shape)
+        ctx.mark_non_differentiable(entropy)
+        return out.view(labels.shape), entropy
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, *_grad_entropy):
         flat_h, weight, bias, safe, valid, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
@@ -286,6 +294,7 @@ class _ChunkedHiddenLogProbs(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -297,7 +306,8 @@ def logprobs_from_hidden(
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     ignore_index: int = -100,
-) -> torch.Tensor:
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities of ``labels`` under ``softmax((hidden @ Wᵀ + b) / T)``, never building the full logits.
 
     ``out[i] = z_i[labels[i]] − logsumexp(z_i)`` with ``z_i = (hidden[i] @ Wᵀ + b) / T``. The projection is done
@@ -306,7 +316,8 @@ def logprobs_from_hidden(
     ``∂/∂b = Σ G`` with ``G = g·(onehot − softmax)/T``; parameter gradients are accumulated in fp32. Peak extra memory
     is ``O(chunk_size × V)`` plus the gradient buffers of ``hidden``/``W`` themselves. Under DeepSpeed ZeRO-3 the
     weight must be gathered while this runs (e.g. ``deepspeed.zero.GatheredParameters``), as for any use of a
-    parameter outside its module's forward.
+    parameter outside its module's forward. Under autocast the projection runs in the autocast dtype, forward and
+    backward alike (the inputs are cast to it first, as autocast casts ``lm_head``'s inputs).
 
     Args:
         hidden: ``(..., H)`` final hidden states (after the final norm), e.g. ``outputs.hidden_states[-1]``.
@@ -316,9 +327,11 @@ def logprobs_from_hidden(
         temperature: ``T > 0``.
         chunk_size: tokens per chunk.
         ignore_index: label value to skip.
+        return_entropy: also return the per-token entropies of ``softmax(z_i)`` (every position, ignored labels
+            included; no gradient), computed from each chunk's logits in the same pass.
 
     Returns:
-        ``(...)`` fp32 log-probabilities.
+        ``(...)`` fp32 log-probabilities; with ``return_entropy``, a ``(logprobs, entropies)`` pair.
     """
     _check_args(temperature, chunk_size)
     if labels.shape != hidden.shape[:-1]:
@@ -327,9 +340,16 @@ def logprobs_from_hidden(
         )
     if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"lm_head_weight must have shape (V, {hidden.shape[-1]}), got {tuple(lm_head_weight.shape)}.")
-    return _ChunkedHiddenLogProbs.apply(
-        hidden, lm_head_weight, lm_head_bias, labels, float(temperature), int(chunk_size), int(ignore_index)
-    )
+    args = (labels, float(temperature), int(chunk_size), int(ignore_index), bool(return_entropy))
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        # What autocast does to `lm_head(hidden)`: inputs cast to its dtype (the casts carry the gradients back).
+        # Done explicitly, so that the recomputation in the backward pass (which runs outside autocast) matches.
+        dtype = torch.get_autocast_dtype(device_type)
+        cast = [None if t is None else t.to(dtype) for t in (hidden, lm_head_weight, lm_head_bias)]
+        with torch.autocast(device_type, enabled=False):
+            return _ChunkedHiddenLogProbs.apply(*cast, *args)
+    return _ChunkedHiddenLogProbs.apply(hidden, lm_head_weight, lm_head_bias, *args)
 
 
 def full_logprobs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

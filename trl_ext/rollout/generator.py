@@ -12,8 +12,8 @@ One rollout, for a batch of left-padded prompts:
 4. score ``prompt + response`` in chunks of ``forward_batch_size`` rows, with no gradient and in eval mode:
    the policy's log-probs at the *sampling temperature* (recorded during sampling in fp32; otherwise from
    :func:`forward_response`, the function the trainers use for their loss — both agree with the training-time
-   log-probs to ~1e-6), the reference's log-probs (:class:`ReferencePolicy`), the values (when the model has a
-   critic) and the scores (:class:`RolloutReward`);
+   log-probs to ~1e-6), the reference's log-probs (:class:`ReferencePolicy`; skipped with ``reference=None``), the
+   values (when the model has a critic) and the scores (:class:`RolloutReward`);
 5. subtract ``missing_eos_penalty`` from the scores of responses without a stop token;
 6. screen the scores for NaN / ±inf (``nonfinite_rewards``: raise, or drop those samples; :mod:`.finite`).
 
@@ -37,13 +37,14 @@ from ..models.offload import on_device
 from ..models.reward import get_sequence_scores
 from ..models.reward_functions import RewardFunction, as_reward_function
 from ..models.value_head import AutoModelForCausalLMWithValueHead
-from ..ops.logprobs import DEFAULT_CHUNK_SIZE, logprobs_from_logits
-from ..ops.sequences import position_ids_from_attention_mask, truncate_after_stop_token
+from ..ops.logprobs import DEFAULT_CHUNK_SIZE
+from ..ops.sequences import truncate_after_stop_token
 from ..utils import eval_mode
 from .finite import screen_rewards
 from .reference import ReferencePolicy
 from .sampling import SampleAndRecord
-from .vision import VisionInputs, add_vision_inputs, generation_inputs, reward_images
+from .scoring import PolicyOutput, causal_lm_outputs, forward_response, supports_logits_to_keep
+from .vision import VisionInputs, generation_inputs, reward_images
 
 __all__ = [
     "PolicyOutput",
@@ -80,8 +81,9 @@ class Rollout:
     """``(B, T)`` 1 up to and including the first stop token, 0 after it."""
     logprobs: torch.Tensor
     """``(B, T)`` fp32 log-probs of the response tokens under the sampling policy, at the sampling temperature."""
-    ref_logprobs: torch.Tensor
-    """``(B, T)`` fp32 log-probs under the reference policy (same temperature)."""
+    ref_logprobs: torch.Tensor | None
+    """``(B, T)`` fp32 log-probs under the reference policy (same temperature); ``None`` when the generator scores no
+    reference (``reference=None``: the KL term has coefficient 0, so the reference forward pass is skipped)."""
     scores: torch.Tensor
     """``(B,)`` fp32 reward scores, ``missing_eos_penalty`` already subtracted."""
     contains_stop: torch.Tensor
@@ -141,6 +143,7 @@ class Rollout:
     @classmethod
     def from_state_dict(cls, state: dict) -> Rollout:
         vision = state.get("vision")
+        state = {"ref_logprobs": None, **state}  # not saved when no reference was scored
         return cls(**{**state, "vision": VisionInputs.from_state_dict(vision) if vision is not None else None})
 
 
@@ -264,101 +267,6 @@ def generate_responses(
 
 
 # ------------------------------------------------------------------------------------------------ scoring
-@dataclass
-class PolicyOutput:
-    """Per-response-token outputs of :func:`forward_response`, all ``(B, T)`` and zero where the mask is zero."""
-
-    logprobs: torch.Tensor
-    values: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
-
-
-def supports_logits_to_keep(model: nn.Module) -> bool:
-    """Whether ``model``'s forward accepts ``logits_to_keep`` (looked up through DDP/DeepSpeed, PEFT and value-head
-    wrappers; a wrapper may also declare it with a ``supports_logits_to_keep`` attribute)."""
-    import inspect
-
-    for _ in range(8):
-        declared = getattr(model, "supports_logits_to_keep", None)
-        if isinstance(declared, bool):
-            return declared
-        if isinstance(getattr(model, "module", None), nn.Module):  # DDP, DeepSpeed engine
-            model = model.module
-        elif is_peft_model(model):
-            model = model.get_base_model()
-        elif isinstance(model, AutoModelForCausalLMWithValueHead):
-            model = model.pretrained_model
-        else:
-            break
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
-
-
-def causal_lm_outputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, last: int, vision=None):
-    """One forward pass of a causal LM over (possibly left-padded) rows, positions taken from the mask, no KV cache;
-    only the ``last`` logits are computed when the model supports ``logits_to_keep`` (callers slice the last ``last``
-    positions either way). ``vision``: the rows' image inputs (:func:`~trl_ext.rollout.vision.add_vision_inputs`).
-    Returns the model's output."""
-    kwargs = {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": position_ids_from_attention_mask(attention_mask),
-        "use_cache": False,
-    }
-    if supports_logits_to_keep(model):
-        kwargs["logits_to_keep"] = last
-    return model(**add_vision_inputs(kwargs, vision))
-
-
-def forward_response(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    response_length: int,
-    *,
-    temperature: float = 1.0,
-    return_values: bool = False,
-    return_entropy: bool = False,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    vision: VisionInputs | None = None,
-) -> PolicyOutput:
-    """Log-probs (and values, entropies) of the last ``response_length`` tokens of ``prompt + response`` rows.
-
-    The one forward pass used for sampling-time log-probs, reference log-probs and the training loss. Positions come
-    from the mask; only the ``T + 1`` last logits are computed when the model supports ``logits_to_keep``; log-probs
-    are ``log_softmax(logits / temperature)`` at the tokens, chunked (:func:`trl_ext.ops.logprobs_from_logits`).
-    ``V_t`` is the critic output at the position *before* token ``t`` (the state the action is taken in), zero where
-    that position is padding (so it is kept one position past the response's last token). Gradients
-    flow through log-probs and values (entropies are computed without gradient, for logging). ``vision``: the rows'
-    image inputs (vision-language models).
-    """
-    T = response_length
-    out = causal_lm_outputs(model, input_ids, attention_mask, T + 1, vision=vision)
-    # The last T + 1 positions, whole: slicing off the final one would make the logits non-contiguous, and every pass
-    # over them (log-probs forward and backward, entropy) would then copy them. The final position gets the ignored
-    # label instead (log-prob exactly 0, no gradient) and is dropped from the results.
-    logits = out.logits[:, -(T + 1) :]
-    keep = attention_mask[:, -T:] != 0
-    labels = torch.cat([input_ids[:, -T:], torch.full_like(input_ids[:, :1], -100)], dim=1)
-    computed = logprobs_from_logits(
-        logits, labels, temperature=temperature, chunk_size=chunk_size, return_entropy=return_entropy
-    )
-    # Entropies come from the same pass over the logits, without gradient (for logging).
-    logprobs, entropy = computed if return_entropy else (computed, None)
-    result = PolicyOutput(logprobs=torch.where(keep, logprobs[:, :T], torch.zeros_like(logprobs[:, :T])))
-    if entropy is not None:
-        result.entropy = torch.where(keep, entropy[:, :T], torch.zeros_like(entropy[:, :T]))
-    if return_values:
-        value = getattr(out, "value", None)
-        if value is None:
-            raise ValueError(f"{type(model).__name__} returned no `value`: it has no critic to read values from.")
-        # V_t is read after the token before t: it is a real state, kept, whenever that token is real (so also one
-        # position past a response's last token, where TRL 1.12's score position trains it); zero elsewhere.
-        state = attention_mask[:, -(T + 1) : -1] != 0
-        value = value[:, -(T + 1) : -1].float()
-        result.values = torch.where(state, value, torch.zeros_like(value))
-    return result
-
-
 @torch.no_grad()
 def rollout_logprobs(model: nn.Module, rollout: Rollout, batch_size: int, temperature: float) -> torch.Tensor:
     """``(B, T)`` fp32 log-probs of ``model`` at the responses of ``rollout`` (:func:`forward_response`, no gradient,
@@ -437,7 +345,8 @@ class RolloutGenerator:
     Args:
         settings: the sampling settings (temperature, stop tokens, N samples per prompt, ...).
         reward: a :class:`RolloutReward`.
-        reference: a :class:`ReferencePolicy`.
+        reference: a :class:`ReferencePolicy`, or ``None`` to skip the reference forward pass (``ref_logprobs`` is
+            then ``None``; trainers do this when the KL coefficient is 0 and not adaptive).
         forward_batch_size: rows per ``generate`` call and per scoring forward pass.
         accelerator: the trainer's `accelerate.Accelerator` (generation unwraps the model through it and scoring
             runs under its autocast); ``None`` for a plain module.
@@ -459,7 +368,7 @@ class RolloutGenerator:
         self,
         settings: SamplingSettings,
         reward: RolloutReward,
-        reference: ReferencePolicy,
+        reference: ReferencePolicy | None,
         forward_batch_size: int,
         accelerator=None,
         missing_eos_penalty: float | None = None,
@@ -497,6 +406,15 @@ class RolloutGenerator:
             gradient_checkpointing_kwargs=self.gradient_checkpointing_kwargs,
         ) as unwrapped:
             yield self.policy_of(unwrapped)
+
+    @contextlib.contextmanager
+    def _reference(self, model: nn.Module) -> Iterator[nn.Module | None]:
+        """The reference module to score with, or ``None`` when no reference is scored."""
+        if self.reference is None:
+            yield None
+            return
+        with self.reference.module(self.policy_of(self._unwrapped(model))) as reference:
+            yield reference
 
     def _autocast(self):
         return self.accelerator.autocast() if self.accelerator is not None else contextlib.nullcontext()
@@ -567,8 +485,8 @@ class RolloutGenerator:
                         parts["logprobs"].append(out.logprobs)
                         if out.values is not None:
                             parts["values"].append(out.values)
-                with self.reference.module(self.policy_of(self._unwrapped(model))) as reference:
-                    for rows in chunks:
+                with self._reference(model) as reference:
+                    for rows in chunks if reference is not None else ():
                         ref = forward_response(
                             reference, ids[rows], mask[rows], T, temperature=self.settings.temperature,
                             chunk_size=self.chunk_size, vision=rows_vision(rows),
@@ -587,7 +505,7 @@ class RolloutGenerator:
             response_ids=responses,
             response_mask=response_mask,
             logprobs=torch.cat(parts["logprobs"]),
-            ref_logprobs=torch.cat(parts["ref_logprobs"]),
+            ref_logprobs=torch.cat(parts["ref_logprobs"]) if self.reference is not None else None,
             scores=scores,
             contains_stop=contains_stop,
             values=torch.cat(parts["values"]) if parts["values"] else None,

@@ -26,17 +26,23 @@ logger = logging.getLogger(__name__)
 def rollout_metrics(
     scores: torch.Tensor,
     logprobs: torch.Tensor,
-    kl: torch.Tensor,
+    kl: torch.Tensor | None,
     non_score_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     contains_stop: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
-    """Scalar tensors of one rollout: per-sequence sums averaged over sequences (TRL's definitions)."""
+    """Scalar tensors of one rollout: per-sequence sums averaged over sequences (TRL's definitions). ``kl=None``
+    (no reference scored, ``kl_coef == 0``): ``objective/kl`` and ``objective/kl_token_mean`` are left out."""
     mask = response_mask
     non_score = masked_sum(non_score_rewards, mask, dim=-1).mean()
+    kl_metrics = {}
+    if kl is not None:
+        kl_metrics = {
+            "objective/kl": masked_sum(kl, mask, dim=-1).mean(),
+            "objective/kl_token_mean": masked_mean(kl, mask),
+        }
     return {
-        "objective/kl": masked_sum(kl, mask, dim=-1).mean(),
-        "objective/kl_token_mean": masked_mean(kl, mask),
+        **kl_metrics,
         "objective/entropy": masked_sum(-logprobs, mask, dim=-1).mean(),
         "objective/non_score_reward": non_score,
         "objective/rlhf_reward": non_score + scores.mean(),

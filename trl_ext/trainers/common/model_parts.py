@@ -6,21 +6,40 @@ the policy's config to `Trainer`, call a causal LM with the same arguments (keep
 ``logits_to_keep`` positions whether or not the model can do it itself) and switch activation checkpointing on or
 off in every part that supports it; that shared behaviour lives here, with the checks the trainers' model
 builders share (:func:`add_adapters`, :func:`shares_parameters`).
+
+Token log-probs from hidden states: :meth:`ModelParts.lm_head_split` gives the acting causal LM as backbone + LM head
+(`trl_ext.models.lm_head`) when that is exact, and a forward call with ``token_labels=`` then returns the log-probs of
+those labels (:meth:`ModelParts._token_logprobs`) instead of logits, without the ``(B, T, V)`` logits. They are
+computed inside ``forward`` so that a DDP / DeepSpeed wrapper sees the LM head used in its forward pass
+(`trl_ext.rollout.scoring.forward_response` is the caller).
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.utils import ModelOutput
 
+from ...models.lm_head import LMHeadSplit, split_lm_head
 from ...models.lora import is_peft_model
 from ...models.quantization import keep_4bit_layers_trainable
 from ...utils import require_peft
 
-__all__ = ["ModelParts", "add_adapters", "shares_parameters"]
+__all__ = ["ModelParts", "TokenLogProbsOutput", "add_adapters", "shares_parameters"]
+
+
+@dataclass
+class TokenLogProbsOutput(ModelOutput):
+    """A ``forward(..., token_labels=...)`` result: ``logprobs`` (and ``entropy``, no gradient) shaped like the
+    labels, fp32, 0 where a label is ``-100``; ``value``: the critic's values, ``(B, L)``, when computed."""
+
+    logprobs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    value: torch.Tensor | None = None
 
 
 def shares_parameters(a: nn.Module, b: nn.Module) -> bool:
@@ -75,6 +94,32 @@ class ModelParts(nn.Module, abc.ABC):
         if logits_to_keep and self.supports_logits_to_keep:
             kwargs["logits_to_keep"] = logits_to_keep
         return kwargs
+
+    def acting_policy(self) -> nn.Module:
+        """The causal LM ``forward`` runs (the policy; `HarmlessnessModels` switches between two)."""
+        return self.policy
+
+    def lm_head_split(self) -> LMHeadSplit | None:
+        """The acting causal LM as backbone + LM head when scoring through them is exact, else ``None``."""
+        return split_lm_head(self.acting_policy())
+
+    def _token_logprobs(
+        self, kwargs: dict, token_labels: torch.Tensor, temperature: float, chunk_size: int | None, entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """``(logprobs, entropy, hidden)`` of the acting LM run with ``kwargs``: the labels ``(B, K)`` score its last
+        ``K`` positions (``hidden`` is the whole ``(B, L, H)``)."""
+        split = self.lm_head_split()
+        if split is None:
+            raise ValueError(
+                f"{type(self.acting_policy()).__name__} cannot score tokens from its hidden states (token_labels=); "
+                "call forward without it and read the logits."
+            )
+        hidden = split.hidden_states(**kwargs)
+        logprobs, ent = split.token_logprobs(
+            hidden[:, -token_labels.shape[-1] :], token_labels, temperature=temperature, chunk_size=chunk_size,
+            return_entropy=entropy,
+        )  # fmt: skip
+        return logprobs, ent, hidden
 
     def _kept_logits(self, logits: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
         """The last ``logits_to_keep`` positions of ``logits`` when the model could not keep them itself."""

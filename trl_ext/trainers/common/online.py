@@ -30,6 +30,7 @@ from transformers.trainer_utils import enable_full_determinism, set_seed
 from trl.trainer import disable_dropout_in_model
 
 from ...models.offload import check_offloadable
+from ...models.padding_free import check_padding_free
 from ...models.quantization import keep_4bit_layers_trainable
 from ...rollout.data import (
     PromptCollator,
@@ -51,7 +52,7 @@ from . import checkpoint as ckpt
 from .checks import check_not_empty, check_prompts_fit_context, load_model_argument
 from .ema import EMA, EMACallback, load_ema, save_ema
 from .finite import FiniteStepsMixin
-from .kl_control import build_kl_controller
+from .kl_control import AdaptiveKLController, build_kl_controller
 from .metrics import log_completions_table, print_completions_table
 from .model_card import CompleteModelCard, write_text_atomically
 from .resume import VerifiedResumeMixin
@@ -296,9 +297,30 @@ class OnlineTrainerMixin(FiniteStepsMixin, CompleteModelCard, VerifiedResumeMixi
             num_samples_per_prompt=args.num_samples_per_prompt,
         )
 
-    def _rollout_generator(self, reward: RolloutReward, reference: ReferencePolicy, **kwargs) -> RolloutGenerator:
+    @property
+    def kl_is_off(self) -> bool:
+        """Whether the KL penalty is off for the whole run: a fixed ``kl_coef == 0`` (no adaptive ``kl_target``).
+        Rollouts then skip the reference forward pass (``Rollout.ref_logprobs`` is ``None``) and the KL metrics are
+        not logged (the KL to the reference is not computed)."""
+        controller = self.kl_controller
+        return controller is not None and not isinstance(controller, AdaptiveKLController) and controller.value == 0
+
+    def _check_padding_free(self, args, **models: nn.Module | None) -> None:
+        """With ``padding_free``: refuse image inputs and models that do not keep packed rows apart
+        (`trl_ext.models.padding_free.check_padding_free`, a tiny forward of each named model)."""
+        if not getattr(args, "padding_free", False):
+            return
+        if self.vision_spec is not None:
+            raise ValueError("padding_free=True does not support image inputs; set padding_free=False.")
+        for name, model in models.items():
+            if model is not None:
+                check_padding_free(model, name)
+
+    def _rollout_generator(
+        self, reward: RolloutReward, reference: ReferencePolicy | None, **kwargs
+    ) -> RolloutGenerator:
         """A :class:`RolloutGenerator` with ``self._sampling`` and the config's rollout options; ``kwargs`` (e.g.
-        ``policy_of``) are passed on."""
+        ``policy_of``) are passed on. ``reference=None``: rollouts score no reference (see :attr:`kl_is_off`)."""
         args = self.args
         if getattr(reward, "model", None) is not None and reward.model is self.reward_model:  # reward_offload
             reward.offload_device = getattr(self, "_reward_offload_device", None)

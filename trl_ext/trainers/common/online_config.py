@@ -59,6 +59,12 @@ class OnlineConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
             Rows per generation call and per no-grad scoring pass.
         ds3_gather_for_generation (`bool`, *optional*, defaults to `True`):
             Under DeepSpeed ZeRO-3, gather the weights once per generation call.
+        padding_free (`bool`, *optional*, defaults to `False`):
+            trl_ext addition. Run the training forward passes with the rows of each micro-batch packed into one
+            sequence (per-row `position_ids`, no padding tokens; same losses and gradients). Needs an attention
+            implementation that keeps packed rows apart (`sdpa`, `eager`, `flex_attention`, `flash_attention_2`;
+            checked when the trainer starts). It pays off with flash-attention's varlen kernels on GPU; with
+            `sdpa`/`eager` the attention mask of `N` packed tokens is a dense `N × N`.
 
         > Parameters that control the rewards
 
@@ -168,6 +174,14 @@ class OnlineConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
             "help": "This setting applies to DeepSpeed ZeRO-3. If enabled, the policy model weights are gathered for "
             "generation, improving generation speed. However, disabling this option allows training models that "
             "exceed the VRAM capacity of a single GPU, albeit at the cost of slower generation."
+        },
+    )
+    padding_free: bool = field(
+        default=False,
+        metadata={
+            "help": "Pack the rows of each training micro-batch into one sequence (per-row position_ids, no padding; "
+            "same losses and gradients). Needs an attention that keeps packed rows apart (sdpa, eager, "
+            "flex_attention, flash_attention_2; checked at start); pays off with flash-attention's varlen kernels."
         },
     )
 

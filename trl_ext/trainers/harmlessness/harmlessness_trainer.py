@@ -156,6 +156,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         train_dataset, eval_dataset = self._prepare_datasets(args, train_dataset, eval_dataset, model=policy)
         check_vision_models(self.vision_spec, proposal_model=proposal, ref_model=reference.model)
         self._check_prompts_fit(args, policy, train_dataset, eval_dataset)
+        self._check_padding_free(args, policy=policy, proposal_model=proposal)
         if self.vision_spec is not None and args.negative_sampler == "smc":
             raise ValueError("negative_sampler='smc' does not support image inputs; use negative_sampler='proposal'.")
         self._init_trainer(
@@ -174,7 +175,8 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         }
         self._sampling = self._sampling_settings(args)
         reward = RolloutReward(self.reward_model, self.tokenizer, uses_images=args.reward_uses_images)
-        self._generators = {"policy": self._generator(reward, self.reference)}
+        # kl_coef == 0 (not adaptive): p_0 is not scored (its only use besides the metrics is the KL term)
+        self._generators = {"policy": self._generator(reward, None if self.kl_is_off else self.reference)}
         if proposal is not None:  # the proposal's "reference" is the current policy: its target's base
             self._generators["proposal"] = self._generator(reward, ReferencePolicy(model=policy))
         self._negdata = None
@@ -198,7 +200,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         self._last_ptx: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------------------ setup
-    def _generator(self, reward: RolloutReward, reference: ReferencePolicy) -> RolloutGenerator:
+    def _generator(self, reward: RolloutReward, reference: ReferencePolicy | None) -> RolloutGenerator:
         return self._rollout_generator(reward, reference, policy_of=lambda m: m.acting_model())
 
     @property
@@ -339,7 +341,10 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         ids, mask, T = stack_rollouts(parts)
         vision = concat_vision([part.vision for part in parts])
         with self._wrapper.acting_as("policy"):
-            logprobs = forward_response(model, ids, mask, T, temperature=self.args.temperature, vision=vision).logprobs
+            logprobs = forward_response(
+                model, ids, mask, T, temperature=self.args.temperature, vision=vision,
+                padding_free=self.args.padding_free,
+            ).logprobs  # fmt: skip
         B, T_p = rollouts.policy.batch_size, rollouts.policy.response_length
         policy_lp = logprobs[:B, :T_p]
         neg_lp = logprobs[B:, : parts[-1].response_length] if len(parts) > 1 else policy_lp
@@ -457,10 +462,14 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         then ``(r' − mean) / std`` with the running statistics, :meth:`normalized_scores`), its return
         ``r' − kl_coef·Σ_t kl_t`` (KL to ``p_0`` at sampling time, a constant; ``kl_coef`` is the KL controller's
         current value, fixed unless ``kl_target`` is set) and the target's ``log φ = β·R`` of both sample sets, always
-        from the raw rewards (see :class:`HarmlessnessRewards`)."""
+        from the raw rewards (see :class:`HarmlessnessRewards`). With ``kl_coef == 0`` (:attr:`kl_is_off`) ``p_0`` is
+        not run: the KL terms are 0."""
         args, p = self.args, rollouts.policy
         reward = self.normalized_scores(self._policy_shaping.transformed(p.scores).to(p.scores.device))
-        kl = kl_estimate(p.logprobs, p.ref_logprobs, args.kl_estimator, p.response_mask)
+        if p.ref_logprobs is None:
+            kl = torch.zeros_like(p.logprobs)
+        else:
+            kl = kl_estimate(p.logprobs, p.ref_logprobs, args.kl_estimator, p.response_mask)
         kl_coef = self.kl_controller.value
         returns = reward - kl_coef * masked_sum(kl, p.response_mask, dim=-1)
         out = HarmlessnessRewards(reward, kl, returns, self._target_log_phi(p.scores))
@@ -470,6 +479,9 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
             if self._needs_neg_rewards:
                 shaped = self._policy_shaping.transformed(q.scores).to(q.scores.device)
                 out.proposal_reward = self.normalized_scores(shaped)  # normalize_reward: the policy's statistics
+                if self.kl_is_off:
+                    out.proposal_return = out.proposal_reward
+                    return out
                 ref0 = self._reference_logprobs(q)
                 q_kl = kl_estimate(q.ref_logprobs, ref0, args.kl_estimator, q.response_mask)
                 out.proposal_return = out.proposal_reward - kl_coef * masked_sum(q_kl, q.response_mask, dim=-1)
@@ -501,6 +513,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
                 model, batch, num_samples_per_prompt=args.num_samples_per_prompt,
                 parameterization=args.parameterization, loss_type=args.proposal_loss_type,
                 temperature=args.temperature, aggregation=args.loss_aggregation, reference_model=self.policy,
+                padding_free=args.padding_free,
             )  # fmt: skip
 
     def neg_weights(

@@ -122,7 +122,7 @@ class HarmlessnessTrainerIO:
         for key, column in zip(keys, stacked.T):
             self._metrics.add(key, column.max() if key.endswith("logprob_diff") else column.mean())
         kl_sum, micro_steps, samples = self._kl_accumulator
-        kl = float(stacked[:, keys.index("base/kl")].mean())
+        kl = float(stacked[:, keys.index("base/kl")].mean()) if "base/kl" in keys else 0.0  # 0: p_0 not scored
         samples += rollouts.policy.batch_size * self.accelerator.num_processes
         self._kl_accumulator = (kl_sum + kl, micro_steps + 1, samples)
         self._metrics.scalars["base/kl_coef"] = kl_coef

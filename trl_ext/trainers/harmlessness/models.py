@@ -24,7 +24,7 @@ from torch import nn
 from ...models.lora import is_peft_model, reference_is_base_with_adapters_disabled
 from ...rollout.generator import ReferencePolicy, supports_logits_to_keep
 from ..common.checks import refuse_same_object
-from ..common.model_parts import ModelParts, add_adapters, shares_parameters
+from ..common.model_parts import ModelParts, TokenLogProbsOutput, add_adapters, shares_parameters
 
 __all__ = ["HarmlessnessModels", "build_harmlessness_models", "parameter_groups"]
 
@@ -72,17 +72,29 @@ class HarmlessnessModels(ModelParts):
         finally:
             self.acting = previous
 
+    def acting_policy(self) -> nn.Module:
+        return self.acting_model()
+
     def forward(
         self,
         input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None = None,
         use_cache: bool = False,
         logits_to_keep: int = 0,
+        token_labels: torch.Tensor | None = None,
+        temperature: float = 1.0,
+        chunk_size: int | None = None,
+        return_entropy: bool = False,
         **model_inputs,
     ):
+        """The acting model's output; with ``token_labels`` a `TokenLogProbsOutput` of those labels instead (see
+        `PolicyAndValueModel.forward`)."""
         kwargs = self._causal_lm_kwargs(input_ids, attention_mask, position_ids, use_cache, logits_to_keep)
         kwargs.update(model_inputs)  # e.g. a vision-language model's pixel_values
+        if token_labels is not None:
+            logprobs, entropy, _ = self._token_logprobs(kwargs, token_labels, temperature, chunk_size, return_entropy)
+            return TokenLogProbsOutput(logprobs=logprobs, entropy=entropy)
         out = self.acting_model()(**kwargs)
         out.logits = self._kept_logits(out.logits, logits_to_keep)
         return out

@@ -128,21 +128,22 @@ def sample_metrics(
 
     - ``reward``: the mean of ``reward``; ``return``: of ``reward − kl_coef·Σ_t kl_t``; ``kl``: of ``Σ_t kl_t``;
     - ``f_q``: of ``log π_ref(s) + log φ(s) − log π(s)`` (the ELBO of ``log Z_σ``: its mean is ≤ ``log Z_σ``);
+      ``kl`` and ``f_q`` are left out when the rollout has no reference log-probs (``kl_coef == 0``);
     - ``entropy``: of ``−log π(s)``; ``response_length``: of the number of response tokens;
     - ``ess``: the mean over prompts of the effective sample size of ``weights`` ``(P, N)``, when given.
     """
     mask = rollout.response_mask
     logp = masked_sum(rollout.logprobs, mask, dim=-1)
-    ref = masked_sum(rollout.ref_logprobs, mask, dim=-1)
     kl_sum = masked_sum(kl, mask, dim=-1)
     out = {
         "reward": reward.float().mean(),
         "return": (reward.float() - kl_coef * kl_sum).mean(),
-        "kl": kl_sum.mean(),
-        "f_q": (ref + log_phi.float() - logp).mean(),
         "entropy": (-logp).mean(),
         "response_length": mask.float().sum(-1).mean(),
     }
+    if rollout.ref_logprobs is not None:  # else no reference was scored (kl_coef == 0): no kl, no f_q
+        ref = masked_sum(rollout.ref_logprobs, mask, dim=-1)
+        out.update(kl=kl_sum.mean(), f_q=(ref + log_phi.float() - logp).mean())
     if weights is not None:
         out["ess"] = effective_sample_size(weights).mean()
     return out

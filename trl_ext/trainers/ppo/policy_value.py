@@ -38,10 +38,13 @@ def has_value_head(model: nn.Module) -> bool:
 
 @dataclass
 class PolicyValueOutput(ModelOutput):
-    """The policy's ``logits`` (the last ``logits_to_keep`` positions when given) and the critic's ``value``."""
+    """The policy's ``logits`` (the last ``logits_to_keep`` positions when given) and the critic's ``value``; with
+    ``token_labels``, the ``logprobs`` and ``entropy`` of the labels instead of the logits."""
 
     logits: torch.Tensor | None = None
     value: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
 
 
 class PolicyAndValueModel(ModelParts):
@@ -74,29 +77,50 @@ class PolicyAndValueModel(ModelParts):
     def forward(
         self,
         input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor | None = None,
         use_cache: bool = False,
         logits_to_keep: int = 0,
         return_values: bool = True,
+        token_labels: torch.Tensor | None = None,
+        temperature: float = 1.0,
+        chunk_size: int | None = None,
+        return_entropy: bool = False,
         **model_inputs,
     ) -> PolicyValueOutput:
-        """Policy logits and, with a critic and ``return_values``, values ``(B, T)`` for every position.
-        ``model_inputs`` (e.g. a vision-language policy's ``pixel_values``) go to the policy."""
+        """Policy logits and, with a critic and ``return_values``, values ``(B, L)`` for every position.
+        ``model_inputs`` (e.g. a vision-language policy's ``pixel_values``) go to the policy.
+
+        With ``token_labels`` ``(B, K)`` (the token each of the last ``K`` positions predicts, ``-100``: none; needs
+        :meth:`lm_head_split`): ``logprobs`` (and with ``return_entropy`` the ``entropy``) of those labels at
+        ``temperature`` from the policy's hidden states, chunked, and no logits. ``attention_mask=None`` with
+        per-row ``position_ids``: rows packed into one sequence (padding-free)."""
         kwargs = self._causal_lm_kwargs(input_ids, attention_mask, position_ids, use_cache, logits_to_keep)
         kwargs.update(model_inputs)
         want_values = return_values and self.has_critic
+        if token_labels is not None:
+            logprobs, entropy, hidden = self._token_logprobs(
+                kwargs, token_labels, temperature, chunk_size, return_entropy
+            )
+            value = None
+            if want_values:
+                value = self.lm_head_split().values(hidden) if self.use_policy_value_head else self._critic(kwargs)
+            return PolicyValueOutput(value=value, logprobs=logprobs, entropy=entropy)
         if self.use_policy_value_head:
             kwargs["return_values"] = want_values
         out = self.policy(**kwargs)
         logits = self._kept_logits(out.logits, logits_to_keep)
         value = None
         if want_values:
-            if self.use_policy_value_head:
-                value = out.value
-            else:
-                value = get_token_values(self.value_model, input_ids, attention_mask)
+            value = out.value if self.use_policy_value_head else self._critic(kwargs)
         return PolicyValueOutput(logits=logits, value=value)
+
+    def _critic(self, kwargs: dict) -> torch.Tensor:
+        """``(B, L)`` values of the separate value model (packed rows: ``attention_mask=None`` with position ids)."""
+        mask, position_ids = kwargs["attention_mask"], kwargs["position_ids"]
+        if mask is None:
+            return get_token_values(self.value_model, kwargs["input_ids"], None, position_ids=position_ids)
+        return get_token_values(self.value_model, kwargs["input_ids"], mask)
 
     def critic_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int, vision=None):
         """``(B, T)`` fp32 values ``V_t`` of the state before each of the last ``T = response_length`` tokens, zero

@@ -78,6 +78,12 @@ class PPOConfig(PtxConfigMixin, OnlineConfig):
         ds3_gather_for_generation (`bool`, *optional*, defaults to `True`):
             Under DeepSpeed ZeRO-3, gather the policy weights once per generation call (fast); `False` generates with
             sharded weights (slow, but fits models larger than one GPU).
+        padding_free (`bool`, *optional*, defaults to `False`):
+            trl_ext addition. Run the training forward passes with the rows of each micro-batch packed into one
+            sequence (per-row `position_ids`, no padding tokens; same losses and gradients). Needs an attention
+            implementation that keeps packed rows apart (`sdpa`, `eager`, `flex_attention`, `flash_attention_2`;
+            checked when the trainer starts). It pays off with flash-attention's varlen kernels on GPU; with
+            `sdpa`/`eager` the attention mask of `N` packed tokens is a dense `N × N`.
 
         > Parameters that control the rewards
 
@@ -90,7 +96,8 @@ class PPOConfig(PtxConfigMixin, OnlineConfig):
             A NaN/±inf reward: `"error"` stops with an error naming prompt and completion; `"drop"` gives the sample
             (its prompt group with the `"rloo"` baseline) zero weight, counted in `objective/nonfinite_rewards`.
         kl_coef (`float`, *optional*, defaults to `0.05`):
-            KL coefficient (the start value when `kl_target` is set).
+            KL coefficient (the start value when `kl_target` is set). `0` without `kl_target`: rollouts skip the
+            reference forward pass and `objective/kl`, `objective/kl_token_mean` are not logged.
         kl_target (`float`, *optional*):
             trl_ext addition. Target of Ziegler et al. (2019)'s adaptive KL controller (`None`: `kl_coef` stays
             fixed). After each update with mean per-sequence KL `kl` (`objective/kl`) over `n` responses
@@ -296,7 +303,11 @@ class PPOConfig(PtxConfigMixin, OnlineConfig):
 
     # ----------------------------------------------------------------------------------------------- rewards
     kl_coef: float = field(
-        default=0.05, metadata={"help": "KL coefficient (the start value of the adaptive controller, kl_target)."}
+        default=0.05,
+        metadata={
+            "help": "KL coefficient (the start value of the adaptive controller, kl_target). 0 without kl_target: the "
+            "reference is not run and the KL metrics are not logged."
+        },
     )
     kl_target: float | None = field(
         default=None,

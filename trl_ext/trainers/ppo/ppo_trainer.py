@@ -168,6 +168,7 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         check_vision_models(self.vision_spec, ref_model=reference.model)
         check_vision_critic(self.vision_spec, value_model)
         self._check_prompts_fit(args, policy, train_dataset, eval_dataset)
+        self._check_padding_free(args, policy=policy, value_model=value_model)
         self._set_sizes(args, len(train_dataset))
         wrapper = PolicyAndValueModel(
             policy, value_model, use_policy_value_head=args.shared_actor_critic and args.uses_critic
@@ -190,8 +191,8 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
             )
         self._sampling = self._sampling_settings(args)
         self.rollout_generator = self._rollout_generator(
-            RolloutReward(self.reward_model, self.tokenizer, uses_images=args.reward_uses_images), self.reference,
-            policy_of=lambda m: m.policy, with_values=wrapper.has_critic,
+            RolloutReward(self.reward_model, self.tokenizer, uses_images=args.reward_uses_images),
+            None if self.kl_is_off else self.reference, policy_of=lambda m: m.policy, with_values=wrapper.has_critic,
         )  # fmt: skip
         self._metrics = PPOMetrics()
         self._resume_path: str | None = None
@@ -417,9 +418,13 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         the score (clipped to ``reward_clip``) at the last position of :meth:`score_mask` (the last response token;
         one later with ``score_position="after_last_token"``, `trl_ext.ops.assemble_token_rewards`); whitened (mean
         kept) over that mask with ``whiten_rewards``. With ``normalize_reward`` the score is first normalised with
-        the running statistics (:meth:`normalized_scores`; updated with this rollout's scores before this call)."""
+        the running statistics (:meth:`normalized_scores`; updated with this rollout's scores before this call).
+        A rollout without reference log-probs (``kl_coef == 0``, :attr:`kl_is_off`) gets a KL of 0."""
         args, mask = self.args, rollout.response_mask
-        kl = kl_estimate(rollout.logprobs, rollout.ref_logprobs, args.kl_estimator, mask)
+        if rollout.ref_logprobs is None:
+            kl = torch.zeros_like(rollout.logprobs)
+        else:
+            kl = kl_estimate(rollout.logprobs, rollout.ref_logprobs, args.kl_estimator, mask)
         score_mask = self.score_mask(mask)
         placement = score_mask
         if rollout.dropped is not None:  # a dropped row has no token: its score goes on column 0, then is zeroed
@@ -496,6 +501,7 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         out = forward_response(
             model, inputs["input_ids"], inputs["attention_mask"], mask.shape[1], temperature=self.args.temperature,
             return_values=uses_critic, return_entropy=True, vision=inputs.get("vision"),
+            padding_free=self.args.padding_free,
         )  # fmt: skip
         policy = self.compute_policy_loss(out.logprobs, inputs, inputs["normalizer"])
         loss = policy.loss
@@ -538,8 +544,9 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         )  # fmt: skip
 
     def _log_rollout(self, rollout: Rollout, rewards: PPORewards, rollout_index: int) -> None:
+        kl = rewards.kl if rollout.ref_logprobs is not None else None  # no reference scored: no KL metrics
         values = rollout_metrics(
-            rollout.scores, rollout.logprobs, rewards.kl, rewards.non_score_rewards, rollout.response_mask,
+            rollout.scores, rollout.logprobs, kl, rewards.non_score_rewards, rollout.response_mask,
             rollout.contains_stop,
         )  # fmt: skip
         self._metrics.add_rollout(values, rollout.timings, int(rollout.response_mask.sum()), self.accelerator.gather)

@@ -140,6 +140,7 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
 
         train_dataset, eval_dataset = self._prepare_datasets(args, train_dataset, eval_dataset)
         self._check_prompts_fit(args, model, train_dataset, eval_dataset)
+        self._check_padding_free(args, proposal=model)
         if args.max_steps <= 0 and args.total_episodes is not None:
             args.max_steps = args.steps_for_episodes()
         prompts_per_step = args.per_device_train_batch_size * args.world_size
@@ -335,6 +336,7 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
                 aggregation=args.loss_aggregation,
                 reference_model=reference,
                 base_batch=batch.get("base_batch"),
+                padding_free=args.padding_free,
             )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

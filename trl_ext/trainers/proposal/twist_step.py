@@ -39,7 +39,7 @@ from ...models.twist import (
 )
 from ...ops.logprobs import DEFAULT_CHUNK_SIZE, entropy_from_logits, full_logprobs, logprobs_from_logits
 from ...ops.sequences import group_rows
-from ...rollout.generator import causal_lm_outputs
+from ...rollout.generator import causal_lm_outputs, forward_response
 from ...rollout.vision import concat_vision
 from ...utils import eval_mode, unwrap_model
 
@@ -50,6 +50,7 @@ __all__ = [
     "is_modulated_model",
     "twist_loss",
     "twist_loss_requirements",
+    "twist_uses_logprobs_only",
     "validate_twist_setup",
 ]
 
@@ -177,6 +178,14 @@ def validate_twist_setup(parameterization: str, loss_type: str) -> TwistLossRequ
     return needs
 
 
+def twist_uses_logprobs_only(parameterization: str, loss_type: str) -> bool:
+    """Whether :func:`twist_loss` needs only ``q``'s token log-probs, not its logits: the parameterisations
+    ``v = log q − log p`` (``policy_psi_q_p_s_t``, ``policy_psi_q_p_s_1_to_t``) with a loss that takes no
+    all-vocabulary inputs (not DPG). These score ``q`` from its hidden states (no ``(B, T, V)`` logits) and may run
+    padding-free."""
+    return parameterization in _NO_SECOND_TERM_PARAMETERIZATIONS and not twist_loss_requirements(loss_type).all_vocab
+
+
 def is_modulated_model(model: nn.Module) -> bool:
     """True when ``model`` (possibly DDP/DeepSpeed/PEFT-wrapped) is a :class:`~trl_ext.models.ModulatedCausalLM`."""
     return isinstance(unwrap_model(model), ModulatedCausalLM)
@@ -271,6 +280,27 @@ def _response_outputs(model: nn.Module, batches: list[dict]) -> list[tuple[torch
     return results
 
 
+def _response_logprobs(
+    model: nn.Module, batches: list[dict], temperature: float, chunk_size: int, entropy: bool, padding_free: bool
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """One forward of ``model`` over all ``batches`` (`trl_ext.rollout.scoring.forward_response`, no ``(B, T, V)``
+    logits where the model allows it): per batch, the ``(B, T)`` log-probs of its response tokens at
+    ``temperature`` and, with ``entropy``, their entropies (no gradient); 0 on padding. Batches may carry image
+    inputs (``"vision"``)."""
+    ids, mask, t_max = _common_layout(batches)
+    out = forward_response(
+        model, ids, mask, t_max, temperature=temperature, return_entropy=entropy, chunk_size=chunk_size,
+        padding_free=padding_free, vision=concat_vision([b.get("vision") for b in batches]),
+    )  # fmt: skip
+    results, start = [], 0
+    for b in batches:
+        rows = slice(start, start + b["input_ids"].shape[0])
+        T = b["response_mask"].shape[1]
+        results.append((out.logprobs[rows, :T], out.entropy[rows, :T] if entropy else None))
+        start = rows.stop
+    return results
+
+
 def _token_twist(
     parameterization: str,
     logits: torch.Tensor,
@@ -331,6 +361,7 @@ def twist_loss(
     base_normalizer: float | None = None,
     return_entropy: bool = True,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    padding_free: bool = False,
 ) -> TwistLossOutput:
     """The twist loss of ``q`` (``model``) on its own samples, towards ``σ ∝ p·exp(log φ)``.
 
@@ -355,6 +386,12 @@ def twist_loss(
             ``normalizer``).
         return_entropy: also compute ``q``'s per-token entropy (no gradient).
         chunk_size: tokens per chunk of the log-prob computation.
+        padding_free: run ``q`` with the rows packed into one sequence (only where
+            :func:`twist_uses_logprobs_only`; see `trl_ext.rollout.scoring`).
+
+    When :func:`twist_uses_logprobs_only`, ``q`` is scored through
+    :func:`~trl_ext.rollout.scoring.forward_response` (from its hidden states, no ``(B, T, V)`` logits, where the
+    model allows it); otherwise from its logits.
 
     Returns:
         A :class:`TwistLossOutput`.
@@ -391,12 +428,28 @@ def twist_loss(
         _check_batch(base_batch, "base_batch", base_keys)
 
     batches = [batch] if base_batch is None else [batch, base_batch]
-    outputs = _response_outputs(model, batches)
-    logits, modulation = outputs[0]
     tokens, mask = batch["input_ids"][:, -T:], batch["response_mask"]
     keep = mask != 0
-    q_logprobs = logprobs_from_logits(logits, tokens, temperature=temperature, chunk_size=chunk_size)
-    q_logprobs = torch.where(keep, q_logprobs, torch.zeros_like(q_logprobs))
+    logprobs_only = twist_uses_logprobs_only(parameterization, loss_type)
+    if padding_free and not logprobs_only:
+        raise ValueError(
+            f"padding_free=True needs a twist read from token log-probs alone; parameterization={parameterization!r} "
+            f"with loss_type={loss_type!r} needs q's logits. Use padding_free=False."
+        )
+    entropy = None
+    if logprobs_only:
+        scored = _response_logprobs(model, batches, temperature, chunk_size, return_entropy, padding_free)
+        outputs = [(None, None)] * len(batches)
+        q_logprobs, entropy = scored[0]
+    else:
+        outputs = _response_outputs(model, batches)
+        logits, modulation = outputs[0]
+        q_logprobs = logprobs_from_logits(logits, tokens, temperature=temperature, chunk_size=chunk_size)
+        q_logprobs = torch.where(keep, q_logprobs, torch.zeros_like(q_logprobs))
+        if return_entropy:
+            with torch.no_grad():
+                entropy = entropy_from_logits(logits.detach(), mask, temperature=temperature, chunk_size=chunk_size)
+    logits, modulation = outputs[0]
     p_logprobs = batch["ref_logprobs"]
     v = _token_twist(parameterization, logits, modulation, tokens, mask, q_logprobs, p_logprobs, temperature)
 
@@ -416,7 +469,9 @@ def twist_loss(
         base_T = base_batch["response_mask"].shape[1]
         base_tokens, base_mask = base_batch["input_ids"][:, -base_T:], base_batch["response_mask"]
         base_q = None
-        if parameterization in POLICY_PARAMETERIZATIONS:
+        if logprobs_only:
+            base_q = scored[1][0]
+        elif parameterization in POLICY_PARAMETERIZATIONS:
             base_q = logprobs_from_logits(base_logits, base_tokens, temperature=temperature, chunk_size=chunk_size)
         base_v = _token_twist(
             parameterization, base_logits, base_modulation, base_tokens, base_mask, base_q,
@@ -437,8 +492,4 @@ def twist_loss(
         p_logprobs.reshape(P, N, T),
         **kwargs,
     )
-    entropy = None
-    if return_entropy:
-        with torch.no_grad():
-            entropy = entropy_from_logits(logits.detach(), mask, temperature=temperature, chunk_size=chunk_size)
     return TwistLossOutput(loss=loss, q_logprobs=q_logprobs.detach(), entropy=entropy, v=v.detach())
