@@ -28,11 +28,12 @@ def batch(vocab: int, seed: int = 0):
     return ids, mask
 
 
-def loss_and_grads(model, ids, mask, padding_free: bool, values: bool = False):
+def loss_and_grads(model, ids, mask, padding_free: bool, values: bool = False, hidden: bool = False):
     model.zero_grad(set_to_none=True)
     out = forward_response(
-        model, ids, mask, T, temperature=0.9, return_entropy=True, return_values=values, padding_free=padding_free
-    )
+        model, ids, mask, T, temperature=0.9, return_entropy=True, return_values=values, padding_free=padding_free,
+        hidden_logprobs=hidden,
+    )  # fmt: skip
     loss = (out.logprobs * torch.linspace(0.5, 2.0, T)).sum()
     if values:
         loss = loss + out.values.pow(2).sum()
@@ -52,18 +53,20 @@ def assert_equal_results(packed, padded):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_packed_rows_give_the_padded_losses_and_gradients(arch, attn):
+@pytest.mark.parametrize("hidden", [False, True], ids=["logits", "hidden"])
+def test_packed_rows_give_the_padded_losses_and_gradients(arch, attn, hidden):
     model = kit.build_causal_lm(arch, attn_implementation=attn).train()
     check_padding_free(model)
     ids, mask = batch(model.config.vocab_size)
-    packed = loss_and_grads(model, ids, mask, True)
-    assert_equal_results(packed, loss_and_grads(model, ids, mask, False))
+    packed = loss_and_grads(model, ids, mask, True, hidden=hidden)
+    assert_equal_results(packed, loss_and_grads(model, ids, mask, False, hidden=False))
     assert (packed[0].logprobs != 0).sum() == int(mask[:, -T:].sum())
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
 @pytest.mark.parametrize("critic", ["separate", "value_head"])
-def test_policy_and_critic_packed(arch, critic):
+@pytest.mark.parametrize("hidden", [False, True], ids=["logits", "hidden"])
+def test_policy_and_critic_packed(arch, critic, hidden):
     torch.manual_seed(3)
     policy = kit.build_causal_lm(arch, seed=1)
     if critic == "value_head":
@@ -72,7 +75,7 @@ def test_policy_and_critic_packed(arch, critic):
         model = PolicyAndValueModel(policy, kit.build_sequence_classifier(arch, seed=2))
     model.train()
     ids, mask = batch(model.config.vocab_size, seed=1)
-    packed = loss_and_grads(model, ids, mask, True, values=True)
+    packed = loss_and_grads(model, ids, mask, True, values=True, hidden=hidden)
     assert_equal_results(packed, loss_and_grads(model, ids, mask, False, values=True))
 
 

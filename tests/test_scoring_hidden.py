@@ -15,7 +15,6 @@ from trl_ext.models.lm_head import split_lm_head
 from trl_ext.models.lora import adapters_disabled
 from trl_ext.ops import entropy_from_logits, logprobs_from_hidden
 from trl_ext.rollout.scoring import forward_response
-from trl_ext.trainers.common.model_parts import ModelParts
 from trl_ext.trainers.harmlessness.models import HarmlessnessModels
 from trl_ext.trainers.ppo.policy_value import PolicyAndValueModel
 
@@ -33,16 +32,11 @@ def batch(vocab: int, B: int = 3, P: int = 5, seed: int = 0):
     return ids, mask
 
 
-@pytest.fixture
-def logits_path(monkeypatch):
-    """Force the logits path everywhere (the reference implementation)."""
-    monkeypatch.setattr(scoring, "split_lm_head", lambda model: None)
-    monkeypatch.setattr(ModelParts, "lm_head_split", lambda self: None)
-
-
-def run(model, ids, mask, weight=None, **kwargs):
-    """Forward + backward of a weighted sum of the log-probs (and values); returns outputs and parameter grads."""
+def run(model, ids, mask, **kwargs):
+    """Forward + backward of a weighted sum of the log-probs (and values); returns outputs and parameter grads. The
+    hidden-state path is forced where the model allows it (with gradients, tiny logits would take the logits path)."""
     model.zero_grad(set_to_none=True)
+    kwargs.setdefault("hidden_logprobs", True)
     out = forward_response(model, ids, mask, T, temperature=0.7, return_entropy=True, **kwargs)
     loss = (out.logprobs * torch.arange(1.0, T + 1)).sum()
     if out.values is not None:
@@ -86,16 +80,15 @@ def test_plain_model_matches_the_full_log_softmax(arch, monkeypatch):
         torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_value_head_model_gives_the_same_values_and_gradients(monkeypatch):
+def test_value_head_model_gives_the_same_values_and_gradients():
     model = AutoModelForCausalLMWithValueHead.from_model(kit.build_causal_lm("llama")).train()
     ids, mask = batch(model.config.vocab_size)
     fast = run(model, ids, mask, return_values=True)
-    monkeypatch.setattr(scoring, "split_lm_head", lambda m: None)
-    slow = run(model, ids, mask, return_values=True)
+    slow = run(model, ids, mask, return_values=True, hidden_logprobs=False)
     assert_same(fast[0], slow[0], fast[1], slow[1])
 
 
-def test_peft_policy_and_its_adapters_disabled_base(monkeypatch):
+def test_peft_policy_and_its_adapters_disabled_base():
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(kit.build_causal_lm("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
@@ -106,18 +99,17 @@ def test_peft_policy_and_its_adapters_disabled_base(monkeypatch):
     assert split_lm_head(model) is not None
     fast = run(model, ids, mask)
     with torch.no_grad(), adapters_disabled(model) as base:
-        base_fast = forward_response(base, ids, mask, T, temperature=0.7)
-    monkeypatch.setattr(scoring, "split_lm_head", lambda m: None)
-    slow = run(model, ids, mask)
+        base_fast = forward_response(base, ids, mask, T, temperature=0.7)  # no gradient: hidden path by default
+    slow = run(model, ids, mask, hidden_logprobs=False)
     with torch.no_grad(), adapters_disabled(model) as base:
-        base_slow = forward_response(base, ids, mask, T, temperature=0.7)
+        base_slow = forward_response(base, ids, mask, T, temperature=0.7, hidden_logprobs=False)
     assert_same(fast[0], slow[0], fast[1], slow[1])
     torch.testing.assert_close(base_fast.logprobs, base_slow.logprobs, atol=1e-5, rtol=1e-5)
     assert (base_fast.logprobs - fast[0].logprobs).abs().max() > 1e-3  # the adapters were really off
 
 
 @pytest.mark.parametrize("critic", ["separate", "value_head"])
-def test_policy_and_value_model_scores_inside_its_forward(critic, logits_path, monkeypatch):
+def test_policy_and_value_model_scores_inside_its_forward(critic):
     def build():
         torch.manual_seed(5)  # the same fresh value head each time
         policy = kit.build_causal_lm("gpt_neox", seed=1)
@@ -129,8 +121,7 @@ def test_policy_and_value_model_scores_inside_its_forward(critic, logits_path, m
 
     fast_model, slow_model = build().train(), build().train()
     ids, mask = batch(fast_model.config.vocab_size)
-    slow = run(slow_model, ids, mask, return_values=True)
-    monkeypatch.undo()  # the fast path from here on
+    slow = run(slow_model, ids, mask, return_values=True, hidden_logprobs=False)
     assert fast_model.lm_head_split() is not None
     calls = []
     fast_model.register_forward_hook(lambda module, args, kwargs, out: calls.append(kwargs), with_kwargs=True)
@@ -139,15 +130,14 @@ def test_policy_and_value_model_scores_inside_its_forward(critic, logits_path, m
     assert_same(fast[0], slow[0], fast[1], slow[1])
 
 
-def test_harmlessness_models_score_the_acting_model(logits_path, monkeypatch):
+def test_harmlessness_models_score_the_acting_model():
     def build():
         return HarmlessnessModels(kit.build_causal_lm("llama", seed=1), kit.build_causal_lm("llama", seed=2)).train()
 
     fast_model, slow_model = build(), build()
     ids, mask = batch(fast_model.config.vocab_size)
     with slow_model.acting_as("proposal"):
-        slow = run(slow_model, ids, mask)
-    monkeypatch.undo()
+        slow = run(slow_model, ids, mask, hidden_logprobs=False)
     with fast_model.acting_as("proposal"):
         fast = run(fast_model, ids, mask)
     assert all(name.startswith("proposal.") for name in fast[1])
@@ -179,6 +169,19 @@ def test_models_whose_logits_are_not_head_of_hidden_keep_the_logits_path():
     from trl_ext.models import ModulatedCausalLM
 
     assert split_lm_head(ModulatedCausalLM.from_base(kit.build_causal_lm("llama"), "linear_head")) is None
+
+
+def test_with_gradients_the_hidden_path_is_taken_for_large_logits_only(monkeypatch):
+    model = PolicyAndValueModel(kit.build_causal_lm("llama"))
+    ids, mask = batch(model.config.vocab_size)
+    seen = []
+    model.register_forward_hook(lambda m, a, kwargs, out: seen.append("token_labels" in kwargs), with_kwargs=True)
+    forward_response(model, ids, mask, T)  # tiny logits, with gradients: the logits path (no recomputation)
+    with torch.no_grad():
+        forward_response(model, ids, mask, T)  # without gradients: always the hidden path
+    monkeypatch.setattr(scoring, "HIDDEN_PATH_MIN_BYTES", 0)
+    forward_response(model, ids, mask, T)
+    assert seen == [False, True, True]
 
 
 def test_hidden_logprobs_entropy_matches_entropy_from_logits():

@@ -90,18 +90,6 @@ def _scaled_fp32(x: torch.Tensor, temperature: float) -> torch.Tensor:
     return x if temperature == 1.0 else x / temperature
 
 
-def _softmax_grad_chunk(
-    z: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, g: torch.Tensor, temperature: float
-) -> torch.Tensor:
-    """``g·(onehot(labels) − softmax(z)) / T`` for a chunk; ``z = logits/T`` in fp32 of shape ``(n, V)``."""
-    grad = torch.sub(z, lse.unsqueeze(-1))  # fresh tensor: safe to work in place below
-    grad.exp_().mul_(-g.unsqueeze(-1))
-    grad.scatter_add_(1, labels.unsqueeze(-1), g.unsqueeze(-1))
-    if temperature != 1.0:
-        grad.div_(temperature)
-    return grad
-
-
 def _shifted_exp(x: torch.Tensor, shift: torch.Tensor, temperature: float, out: torch.Tensor | None = None):
     """``exp(x / T − shift)`` for a ``(n, V)`` chunk and ``(n, 1)`` shifts, in two passes and the compute dtype.
 
@@ -266,6 +254,7 @@ class _ChunkedHiddenLogProbs(torch.autograd.Function):
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
         n = flat_h.shape[0]
         g = torch.where(valid, grad_out.reshape(-1).to(lse.dtype), torch.zeros((), dtype=lse.dtype, device=lse.device))
+        g = g / temperature  # G = g·(onehot − softmax)/T: fold 1/T into g once
         grad_h = torch.empty_like(flat_h) if need_h else None
         # Parameter gradients are accumulated over chunks in fp32, then cast to the parameter dtype.
         acc = lse.dtype
@@ -274,8 +263,10 @@ class _ChunkedHiddenLogProbs(torch.autograd.Function):
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
             h = flat_h[start:end]
-            z = _scaled_fp32(F.linear(h, weight, bias), temperature)
-            grad_z = _softmax_grad_chunk(z, lse[start:end], safe[start:end], g[start:end], temperature)
+            # softmax(z/T) = exp(z/T − lse) in one scaled, shifted pass, then G in place (no scaled copy of z)
+            g_c = g[start:end].unsqueeze(-1)
+            grad_z = _shifted_exp(F.linear(h, weight, bias), lse[start:end].unsqueeze(-1), temperature)
+            grad_z.mul_(-g_c).scatter_add_(1, safe[start:end].unsqueeze(-1), g_c)
             if grad_b is not None:
                 grad_b += grad_z.sum(0)
             grad_logits = grad_z.to(weight.dtype)

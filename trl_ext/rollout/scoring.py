@@ -5,10 +5,11 @@ Two things keep it lean without changing what is computed:
 
 - **No ``(B, T, V)`` logits** where the model allows it (:func:`~trl_ext.models.lm_head.split_lm_head`): the
   backbone gives the last hidden states and the log-probs (and entropies) of the response tokens come from them
-  chunk by chunk (`trl_ext.ops.logprobs_from_hidden`). Modules that hold several models
-  (`~trl_ext.trainers.common.model_parts.ModelParts`, possibly DDP-wrapped) compute them inside their own forward
-  (``token_labels=``), so a distributed wrapper sees the LM head's use. Anything else (modulated policies,
-  vision-language models, soft-capped logits, ...) takes the logits path, as before.
+  chunk by chunk (`trl_ext.ops.logprobs_from_hidden`). Always without gradients; with gradients when the logits
+  would be large (:data:`HIDDEN_PATH_MIN_BYTES`), since the backward pass then recomputes them chunk by chunk.
+  Modules that hold several models (`~trl_ext.trainers.common.model_parts.ModelParts`, possibly DDP-wrapped)
+  compute them inside their own forward (``token_labels=``), so a distributed wrapper sees the LM head's use.
+  Anything else (modulated policies, vision-language models, soft-capped logits, ...) takes the logits path.
 - **Padding-free rows** (``padding_free=True``): the real tokens of all rows are packed into one sequence with
   per-row ``position_ids`` and no attention mask, which transformers' attention implementations (SDPA / eager /
   flex with a block-diagonal mask, flash-attention's varlen kernels) treat as independent sequences; results are
@@ -31,7 +32,13 @@ from ..ops.logprobs import DEFAULT_CHUNK_SIZE, logprobs_from_logits
 from ..ops.sequences import position_ids_from_attention_mask
 from .vision import VisionInputs, add_vision_inputs
 
-__all__ = ["PolicyOutput", "causal_lm_outputs", "forward_response", "supports_logits_to_keep"]
+__all__ = ["HIDDEN_PATH_MIN_BYTES", "PolicyOutput", "causal_lm_outputs", "forward_response", "supports_logits_to_keep"]
+
+#: With gradients, the hidden-state path recomputes each chunk's logits in the backward pass: one more LM-head matrix
+#: product (about +30% of the head's cost, measured on CPU). :func:`forward_response` then takes it only when the
+#: fp32 logits it avoids would take at least this many bytes (a 49,152-token vocabulary: from ~1,400 scored tokens
+#: per micro-batch). Without gradients it costs nothing extra and is taken whenever the model allows it.
+HIDDEN_PATH_MIN_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -182,6 +189,7 @@ def forward_response(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     vision: VisionInputs | None = None,
     padding_free: bool = False,
+    hidden_logprobs: bool | None = None,
 ) -> PolicyOutput:
     """Log-probs (and values, entropies) of the last ``response_length`` tokens of ``prompt + response`` rows.
 
@@ -193,12 +201,19 @@ def forward_response(
     padding (so it is kept one position past the response's last token). Gradients flow through log-probs and values
     (entropies are computed without gradient, for logging). ``vision``: the rows' image inputs (vision-language
     models). ``padding_free``: run the rows packed into one sequence (see the module docs; not with ``vision``).
+    ``hidden_logprobs``: ``True`` scores from hidden states whenever the model allows it, ``False`` never, ``None``
+    (default) without gradients, or with gradients when the logits would take ``HIDDEN_PATH_MIN_BYTES`` or more.
     """
     T = response_length
     if padding_free and vision is not None:
         raise ValueError("padding_free=True does not support image inputs; use padding_free=False.")
     route, split = _route(model) if vision is None else ("logits", None)
     layout = _Layout.build(input_ids, attention_mask, T, padding_free)
+    if route != "logits":
+        logits_bytes = layout.labels.numel() * split.head.out_features * 4  # what the logits path would hold
+        if hidden_logprobs is None:
+            hidden_logprobs = not torch.is_grad_enabled() or logits_bytes >= HIDDEN_PATH_MIN_BYTES
+        route = route if hidden_logprobs else "logits"
     logprobs, entropy, value = _scored(
         model, route, split, layout, T, temperature, chunk_size, return_entropy, return_values, vision
     )
