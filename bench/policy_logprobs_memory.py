@@ -2,7 +2,7 @@
 sequence with a real vocabulary: SmolLM2-135M's architecture (Llama, 30 layers, hidden 576, vocabulary 49,152, tied
 embeddings) built from its config with random weights (no download), 8 rows x 1,024 tokens by default.
 
-    python bench/policy_logprobs_memory.py                  # 8 x (128 prompt + 896 response) tokens, CPU, ~10 min
+    python bench/policy_logprobs_memory.py                  # 8 x (128 prompt + 896 response) tokens, CPU, ~30 min
     python bench/policy_logprobs_memory.py --layers 2       # the same head, a 2-layer trunk (a minute)
     python bench/policy_logprobs_memory.py --device cuda    # torch.cuda.max_memory_allocated on a GPU
 

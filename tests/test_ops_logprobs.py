@@ -192,6 +192,27 @@ def test_hidden_frozen_head_and_non_contiguous_hidden():
     assert weight.grad is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hidden_frozen_head_gradient_equals_the_trainable_head_one(dtype):
+    """With a frozen head the hidden-state gradient is formed in the forward pass (no recomputed logits in the
+    backward): it must equal the one the recomputing backward gives (temperature, bias, ignored labels, bf16)."""
+    hidden, weight, b, labels = _hidden_data(T=7, H=16, V=40, seed=9, dtype=dtype)
+    labels[0, 2] = -100
+    upstream = torch.randn(labels.shape, generator=torch.Generator().manual_seed(2))
+    grads = []
+    for head_trains in (False, True):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(head_trains)
+        out = logprobs_from_hidden(h, w, labels, b, temperature=0.8, chunk_size=3)
+        (out * upstream).sum().backward()
+        grads.append(h.grad)
+    assert grads[0].dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(grads[0].float(), grads[1].float(), atol=tol, rtol=tol)
+    args = tuple(t.double() for t in (hidden, weight, b))
+    fn = lambda h: logprobs_from_hidden(h, args[1], labels, args[2], temperature=0.8, chunk_size=2)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (args[0].requires_grad_(True),))
+
+
 def test_hidden_bf16():
     hidden, weight, b, labels = _hidden_data(H=16, V=40, seed=8, dtype=torch.bfloat16)
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)

@@ -56,14 +56,25 @@ def assert_same(a, b, grads_a, grads_b, atol=1e-5):
         torch.testing.assert_close(grads_a[name], grads_b[name], atol=atol, rtol=1e-4, msg=name)
 
 
+def spy_on_head(head: torch.nn.Linear, monkeypatch) -> list:
+    """Record every call of ``head`` (patched on the class: an instance-level ``forward`` disables the split)."""
+    calls, original = [], torch.nn.Linear.forward
+
+    def forward(self, x):
+        if self is head:
+            calls.append(1)
+        return original(self, x)
+
+    monkeypatch.setattr(torch.nn.Linear, "forward", forward)
+    return calls
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox", "gpt2"])
 def test_plain_model_matches_the_full_log_softmax(arch, monkeypatch):
     model = kit.build_causal_lm(arch).train()
     ids, mask = batch(model.config.vocab_size)
     assert split_lm_head(model) is not None
-    head = model.get_output_embeddings()
-    calls = []
-    monkeypatch.setattr(head, "forward", lambda x: calls.append(1) or torch.nn.Linear.forward(head, x))
+    calls = spy_on_head(model.get_output_embeddings(), monkeypatch)
     out, grads = run(model, ids, mask)
     assert not calls  # the LM head module never ran: no (B, T, V) logits
     monkeypatch.undo()
@@ -88,7 +99,7 @@ def test_value_head_model_gives_the_same_values_and_gradients():
     assert_same(fast[0], slow[0], fast[1], slow[1])
 
 
-def test_peft_policy_and_its_adapters_disabled_base():
+def test_peft_policy_and_its_adapters_disabled_base(monkeypatch):
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(kit.build_causal_lm("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
@@ -97,7 +108,10 @@ def test_peft_policy_and_its_adapters_disabled_base():
             torch.nn.init.normal_(p, std=0.5)
     ids, mask = batch(model.config.vocab_size)
     assert split_lm_head(model) is not None
-    fast = run(model, ids, mask)
+    calls = spy_on_head(model.get_output_embeddings(), monkeypatch)
+    fast = run(model, ids, mask, hidden_logprobs=None)  # frozen head: the default takes the hidden path
+    assert not calls
+    monkeypatch.undo()
     with torch.no_grad(), adapters_disabled(model) as base:
         base_fast = forward_response(base, ids, mask, T, temperature=0.7)  # no gradient: hidden path by default
     slow = run(model, ids, mask, hidden_logprobs=False)
@@ -213,3 +227,15 @@ def test_hidden_logprobs_under_autocast_match_the_autocast_lm_head():
     assert all(g.dtype == torch.float32 for g in grads)
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)  # bf16 products
+
+
+def test_critic_values_of_a_value_head_skip_the_lm_head(monkeypatch):
+    torch.manual_seed(5)
+    model = PolicyAndValueModel(AutoModelForCausalLMWithValueHead.from_model(kit.build_causal_lm("llama")), None, True)
+    ids, mask = batch(model.config.vocab_size)
+    with torch.no_grad():
+        expected = forward_response(model, ids, mask, T, return_values=True, hidden_logprobs=False).values
+        calls = spy_on_head(model.policy.get_output_embeddings(), monkeypatch)
+        values = model.critic_values(ids, mask, T)
+    assert not calls
+    torch.testing.assert_close(values, expected, atol=1e-6, rtol=1e-6)

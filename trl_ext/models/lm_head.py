@@ -128,6 +128,8 @@ def _plain_weight(weight: torch.Tensor) -> bool:
 def _plain_linear(head: nn.Module | None) -> bool:
     if type(head) is not nn.Linear or head._forward_hooks or head._forward_pre_hooks or hasattr(head, "_hf_hook"):
         return False
+    if "forward" in vars(head):  # a forward replaced on the instance (e.g. by a wrapping library)
+        return False
     return all(_plain_weight(p) for p in head.parameters())
 
 

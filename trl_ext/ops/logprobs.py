@@ -228,6 +228,12 @@ class _ChunkedHiddenLogProbs(torch.autograd.Function):
         )
         lse = torch.empty_like(out)
         entropy = torch.empty_like(out) if with_entropy else None
+        # Frozen head (e.g. LoRA training), gradient only for `hidden`: ∂out_i/∂h_i = (W[y_i] − p_i W)/T does not
+        # depend on the upstream gradient, so it is computed here from the chunk's softmax (one (n, V) x (V, H)
+        # product, as the backward pass would) and the backward pass only scales it: no logits are recomputed.
+        direction = None
+        if ctx.needs_input_grad[0] and not any(ctx.needs_input_grad[1:3]):
+            direction = torch.empty(flat_h.shape, dtype=out.dtype, device=flat_h.device)  # fp32 (fp64)
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
             z = _scaled_fp32(F.linear(flat_h[start:end], weight, bias), temperature)
@@ -237,9 +243,17 @@ class _ChunkedHiddenLogProbs(torch.autograd.Function):
                 lse_c, entropy[start:end] = _lse_chunk(z, 1.0, True)
             lse[start:end] = lse_c
             out[start:end] = z.gather(1, safe[start:end].unsqueeze(-1)).squeeze(-1) - lse_c
+            if direction is not None:
+                p_w = z.sub_(lse_c.unsqueeze(-1)).exp_().to(weight.dtype) @ weight  # z is not used after this
+                direction[start:end] = (weight[safe[start:end]] - p_w).to(direction.dtype) / temperature
         out = torch.where(valid, out, torch.zeros_like(out))
-        ctx.save_for_backward(flat_h, weight, bias, safe, valid, lse)
+        ctx.direction = direction is not None
+        if direction is not None:  # the hidden states and the head are not needed any more
+            ctx.save_for_backward(direction, valid)
+        else:
+            ctx.save_for_backward(flat_h, weight, bias, safe, valid, lse)
         ctx.temperature, ctx.chunk_size, ctx.hidden_shape = temperature, chunk_size, hidden.shape
+        ctx.hidden_dtype = hidden.dtype
         if entropy is None:
             return out.view(labels.shape)
         entropy = entropy.view(labels.shape)
@@ -249,6 +263,12 @@ class _ChunkedHiddenLogProbs(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out, *_grad_entropy):
+        if ctx.direction:
+            direction, valid = ctx.saved_tensors
+            zero = torch.zeros((), dtype=direction.dtype, device=direction.device)
+            g = torch.where(valid, grad_out.reshape(-1).to(direction.dtype), zero)
+            grad_h = (g.unsqueeze(-1) * direction).to(ctx.hidden_dtype)
+            return grad_h.view(ctx.hidden_shape), None, None, None, None, None, None, None
         flat_h, weight, bias, safe, valid, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         temperature, chunk_size = ctx.temperature, ctx.chunk_size

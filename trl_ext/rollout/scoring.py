@@ -5,8 +5,9 @@ Two things keep it lean without changing what is computed:
 
 - **No ``(B, T, V)`` logits** where the model allows it (:func:`~trl_ext.models.lm_head.split_lm_head`): the
   backbone gives the last hidden states and the log-probs (and entropies) of the response tokens come from them
-  chunk by chunk (`trl_ext.ops.logprobs_from_hidden`). Always without gradients; with gradients when the logits
-  would be large (:data:`HIDDEN_PATH_MIN_BYTES`), since the backward pass then recomputes them chunk by chunk.
+  chunk by chunk (`trl_ext.ops.logprobs_from_hidden`). Always without gradients or with a frozen head; with
+  gradients into the head when the logits would be large (:data:`HIDDEN_PATH_MIN_BYTES`), since the backward pass
+  then recomputes them chunk by chunk.
   Modules that hold several models (`~trl_ext.trainers.common.model_parts.ModelParts`, possibly DDP-wrapped)
   compute them inside their own forward (``token_labels=``), so a distributed wrapper sees the LM head's use.
   Anything else (modulated policies, vision-language models, soft-capped logits, ...) takes the logits path.
@@ -34,10 +35,11 @@ from .vision import VisionInputs, add_vision_inputs
 
 __all__ = ["HIDDEN_PATH_MIN_BYTES", "PolicyOutput", "causal_lm_outputs", "forward_response", "supports_logits_to_keep"]
 
-#: With gradients, the hidden-state path recomputes each chunk's logits in the backward pass: one more LM-head matrix
-#: product (about +30% of the head's cost, measured on CPU). :func:`forward_response` then takes it only when the
-#: fp32 logits it avoids would take at least this many bytes (a 49,152-token vocabulary: from ~1,400 scored tokens
-#: per micro-batch). Without gradients it costs nothing extra and is taken whenever the model allows it.
+#: With gradients into a trained LM head, the hidden-state path recomputes each chunk's logits in the backward pass:
+#: one more LM-head matrix product (about +30% of the head's cost, measured on CPU). :func:`forward_response` then
+#: takes it only when the fp32 logits it avoids would take at least this many bytes (a 49,152-token vocabulary: from
+#: ~1,400 scored tokens per micro-batch). Without gradients, or with a frozen head (LoRA), it costs nothing extra and
+#: is taken whenever the model allows it.
 HIDDEN_PATH_MIN_BYTES = 256 * 2**20
 
 
@@ -202,7 +204,8 @@ def forward_response(
     (entropies are computed without gradient, for logging). ``vision``: the rows' image inputs (vision-language
     models). ``padding_free``: run the rows packed into one sequence (see the module docs; not with ``vision``).
     ``hidden_logprobs``: ``True`` scores from hidden states whenever the model allows it, ``False`` never, ``None``
-    (default) without gradients, or with gradients when the logits would take ``HIDDEN_PATH_MIN_BYTES`` or more.
+    (default) without gradients or with a frozen LM head, and with gradients into the head when the logits would
+    take ``HIDDEN_PATH_MIN_BYTES`` or more.
     """
     T = response_length
     if padding_free and vision is not None:
@@ -211,8 +214,9 @@ def forward_response(
     layout = _Layout.build(input_ids, attention_mask, T, padding_free)
     if route != "logits":
         logits_bytes = layout.labels.numel() * split.head.out_features * 4  # what the logits path would hold
-        if hidden_logprobs is None:
-            hidden_logprobs = not torch.is_grad_enabled() or logits_bytes >= HIDDEN_PATH_MIN_BYTES
+        head_trains = any(p.requires_grad for p in split.head.parameters())
+        if hidden_logprobs is None:  # a frozen head (LoRA): the gradient is formed in the forward pass, no recompute
+            hidden_logprobs = not (torch.is_grad_enabled() and head_trains) or logits_bytes >= HIDDEN_PATH_MIN_BYTES
         route = route if hidden_logprobs else "logits"
     logprobs, entropy, value = _scored(
         model, route, split, layout, T, temperature, chunk_size, return_entropy, return_values, vision

@@ -126,14 +126,20 @@ class PolicyAndValueModel(ModelParts):
         """``(B, T)`` fp32 values ``V_t`` of the state before each of the last ``T = response_length`` tokens, zero
         where that state is padding (as in :func:`~trl_ext.rollout.generator.forward_response`), without running the
         policy when the critic is a separate model (rollout scoring, whose sampling-time log-probs come from
-        ``generate``). ``vision``: the rows' image inputs (value head only)."""
+        ``generate``). ``vision``: the rows' image inputs (value head only). A value head is read off the trunk's
+        hidden states without the LM head where :meth:`lm_head_split` allows it."""
         if not self.has_critic:
             raise ValueError("This PolicyAndValueModel has no critic to read values from.")
         T = response_length
+        split = self.lm_head_split() if self.value_model is None and vision is None else None
         if self.value_model is not None:
             value = get_token_values(self.value_model, input_ids, attention_mask)
         elif vision is not None:  # the model's own positions (see `causal_lm_outputs`)
             value = causal_lm_outputs(self, input_ids, attention_mask, T + 1, vision=vision).value
+        elif split is not None:
+            position_ids = position_ids_from_attention_mask(attention_mask)
+            kwargs = self._causal_lm_kwargs(input_ids, attention_mask, position_ids, False, 0)
+            value = split.values(split.hidden_states(**kwargs))
         else:
             position_ids = position_ids_from_attention_mask(attention_mask)
             value = self(input_ids, attention_mask, position_ids=position_ids, logits_to_keep=T + 1).value
