@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_harmlessness_trainer import toy_args, toy_trainer
+from datasets import Dataset
+from test_harmlessness_trainer import PROMPT, toy_args, toy_trainer
 from test_ppo_trainer import make_trainer, ppo_args, snapshot
 
 from trl_ext import testing as kit
 
 
-def count_forwards(module: torch.nn.Module) -> list:
+def count_forwards(model: torch.nn.Module) -> list:
+    """Calls of ``model``'s input embeddings: every forward pass runs them (the full model, its backbone alone on the
+    hidden-state path, the one-time probe)."""
     calls = []
-    module.register_forward_pre_hook(lambda *_: calls.append(1))
+    model.get_input_embeddings().register_forward_pre_hook(lambda *_: calls.append(1))
     return calls
 
 
@@ -74,6 +77,9 @@ def test_repulse_runs_p0_only_when_the_kl_term_is_on(tmp_path, kl_coef):
     assert bool(calls) == (kl_coef > 0)
     assert ("base/kl" in logs) == ("base/f_q" in logs) == (kl_coef > 0)
     assert "proposal/kl" in logs  # the proposal's reference (the current policy) is always scored
+    before = len(calls)
+    metrics = trainer.evaluate(Dataset.from_dict({"input_ids": [PROMPT] * 2}))
+    assert "eval_kl" in metrics and len(calls) > before  # evaluation still reports the KL to p_0
 
 
 def test_repulse_padding_free_trains_to_the_same_weights(tmp_path):

@@ -489,8 +489,9 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
 
     @torch.no_grad()
     def _reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
-        """``log p_0`` on ``rollout``'s samples (for the proposal samples' returns of ``neg_reinforce``)."""
-        with self.reference.module(self.policy) as reference, self.accelerator.autocast():
+        """``log p_0`` on ``rollout``'s samples, in eval mode (for the proposal samples' returns of ``neg_reinforce``,
+        and for ``evaluate``'s KL when the rollouts score no reference)."""
+        with self.reference.module(self.policy) as reference, self.accelerator.autocast(), eval_mode(reference):
             return self._logprobs_of(reference, rollout)
 
     def compute_proposal_loss(self, model: nn.Module, rollout: Rollout, log_phi: torch.Tensor) -> TwistLossOutput:

@@ -71,8 +71,8 @@ class HarmlessnessTrainerIO:
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Sample ``num_samples_per_prompt`` responses per eval prompt from the policy and log the mean raw reward
         (``{prefix}_reward``), the fraction below ``save_negdata_threshold`` (``{prefix}_p_bad``) and the KL to
-        ``p_0`` (``{prefix}_kl``). Runs under a forked RNG, so it does not change the training run. With
-        ``eval_with_ema`` the policy's EMA weights are evaluated."""
+        ``p_0`` (``{prefix}_kl``; ``p_0`` is run for it also with ``kl_coef == 0``). Runs under a forked RNG, so it
+        does not change the training run. With ``eval_with_ema`` the policy's EMA weights are evaluated."""
         start = time.time()
         dataset = self._eval_prompts(eval_dataset)
         if dataset is None:
@@ -83,7 +83,10 @@ class HarmlessnessTrainerIO:
             for batch in loader:
                 ids, mask = left_padded(batch["input_ids"], batch.get("attention_mask"), self.tokenizer.pad_token_id)
                 rollout = self._sample("policy", self.model_wrapped, ids, mask, batch.get("vision"))
-                kl = kl_estimate(rollout.logprobs, rollout.ref_logprobs, self.args.kl_estimator, rollout.response_mask)
+                ref = rollout.ref_logprobs
+                if ref is None:  # kl_coef == 0: training rollouts skip p_0, evaluation still reports the KL
+                    ref = self._reference_logprobs(rollout)
+                kl = kl_estimate(rollout.logprobs, ref, self.args.kl_estimator, rollout.response_mask)
                 scores.append(rollout.scores.float())
                 kls.append(masked_sum(kl, rollout.response_mask, dim=-1))
         scores = self.accelerator.gather(torch.cat(scores))
