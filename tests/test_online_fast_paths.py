@@ -91,3 +91,19 @@ def test_repulse_padding_free_trains_to_the_same_weights(tmp_path):
     for a, b in zip(*results):
         for name in a:
             torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_a_rollout_without_reference_log_probs_round_trips_through_its_state_dict():
+    from trl_ext.rollout.generator import Rollout
+
+    rollout = Rollout(
+        prompt_ids=torch.ones(2, 3, dtype=torch.long), prompt_mask=torch.ones(2, 3, dtype=torch.long),
+        response_ids=torch.ones(2, 4, dtype=torch.long), response_mask=torch.ones(2, 4, dtype=torch.long),
+        logprobs=-torch.rand(2, 4), ref_logprobs=None, scores=torch.rand(2),
+        contains_stop=torch.ones(2, dtype=torch.bool),
+    )  # fmt: skip
+    state = rollout.state_dict()
+    assert "ref_logprobs" not in state
+    back = Rollout.from_state_dict(state)
+    assert back.ref_logprobs is None and torch.equal(back.logprobs, rollout.logprobs)
+    assert back.select(slice(0, 1)).ref_logprobs is None
