@@ -376,10 +376,26 @@ class TwistTargetConfig(OnlineConfig):
         default=None, metadata={"help": "Threshold of rm_type='indicator_below_threshold'."}
     )
 
+    def _twist_loss_type(self) -> str | None:
+        """The name of the proposal's twist loss (``None``: no proposal is trained); subclasses say which field."""
+        return None
+
     def _validate(self) -> None:
         super()._validate()
         self._check_choice("loss_aggregation", AGGREGATIONS)
         self._check_choice("rm_type", RM_TYPES)
+        from ...losses import available_losses
+        from ..proposal.twist_step import twist_uses_logprobs_only  # (the proposal trainer's module: not at import)
+
+        loss = self._twist_loss_type()
+        if self.padding_free and loss in available_losses("twist"):
+            if not twist_uses_logprobs_only(self.parameterization, loss):
+                self._fail(
+                    f"padding_free=True needs a twist read from token log-probs alone; parameterization="
+                    f"{self.parameterization!r} with the twist loss {loss!r} needs the proposal's logits. Use "
+                    "parameterization='policy_psi_q_p_s_t' or 'policy_psi_q_p_s_1_to_t' (not with 'dpg'), or "
+                    "padding_free=False."
+                )
         self._refuse_dropping_rewards(
             "the twist losses weigh the samples of a prompt against each other (importance weights normalised over "
             "its samples), so one sample cannot be taken out without changing the weights of the others"

@@ -14,7 +14,6 @@ from ...ops.kl import KL_ESTIMATORS
 from ...rewards import REWARD_TRANSFORMS, RM_TYPES
 from ..common.online_config import TwistTargetConfig
 from ..common.ptx_config import PtxConfigMixin
-from ..proposal.twist_step import twist_uses_logprobs_only
 
 __all__ = ["HarmlessnessConfig", "ORDERS", "PROPOSAL_LOSS_TYPES", "REWARD_TRANSFORM_NAMES", "RM_TYPE_NAMES"]
 
@@ -127,8 +126,7 @@ class HarmlessnessConfig(PtxConfigMixin, TwistTargetConfig):
             checkpoints (`reward_normalizer.json`).
         kl_coef (`float`, *optional*, defaults to `0.2`):
             Coefficient `λ` of the KL-to-`p_0` penalty in the policy's return `r' − λ·Σ_t kl_t` (the start value
-            when `kl_target` is set). `0` without `kl_target`: `p_0` is not run (no reference forward pass) and
-            `base/kl`, `base/f_q` are not logged.
+            when `kl_target` is set). `0` without `kl_target`: `p_0` is not run, `base/kl` and `base/f_q` not logged.
         kl_target (`float`, *optional*):
             Target of Ziegler et al. (2019)'s adaptive KL controller for `λ` (`None`: `kl_coef` stays fixed). After
             each policy update (optimizer step) with mean per-sequence KL `kl` (`base/kl`) over its `n` policy
@@ -164,13 +162,9 @@ class HarmlessnessConfig(PtxConfigMixin, TwistTargetConfig):
         ds3_gather_for_generation (`bool`, *optional*, defaults to `True`):
             Under DeepSpeed ZeRO-3, gather the weights once per generation call.
         padding_free (`bool`, *optional*, defaults to `False`):
-            trl_ext addition. Run the training forward passes with the rows of each micro-batch packed into one
-            sequence (per-row `position_ids`, no padding tokens; same losses and gradients). Needs an attention
-            implementation that keeps packed rows apart (`sdpa`, `eager`, `flex_attention`, `flash_attention_2`;
-            checked when the trainer starts). It pays off with flash-attention's varlen kernels on GPU; with
-            `sdpa`/`eager` the attention mask of `N` packed tokens is a dense `N × N`.
-            Only with the twist parameterisations that need token log-probs alone (`policy_psi_q_p_s_t`,
-            `policy_psi_q_p_s_1_to_t`; not with DPG's all-vocabulary loss).
+            trl_ext addition. Run the training forward passes with each micro-batch's rows packed into one sequence
+            (same losses and gradients; the attention is checked at start, see `PPOConfig`). Only with the
+            parameterisations `policy_psi_q_p_s_t` / `policy_psi_q_p_s_1_to_t` and a twist loss other than DPG.
 
         > Parameters that control the schedule and the models
 
@@ -441,6 +435,12 @@ class HarmlessnessConfig(PtxConfigMixin, TwistTargetConfig):
         """Whether the policy loss has a term on σ-weighted (proposal) samples."""
         return self.loss_type != "reinforce" and get_loss_spec(self.loss_type).kind == "harmlessness"
 
+    def _twist_loss_type(self) -> str | None:
+        try:
+            return self.proposal_loss_type if self.uses_proposal_model else None
+        except KeyError:  # an unknown loss_type: reported by `_validate_losses`
+            return None
+
     @property
     def effective_proposal_learning_rate(self) -> float:
         return self.learning_rate if self.proposal_learning_rate is None else self.proposal_learning_rate
@@ -522,14 +522,6 @@ class HarmlessnessConfig(PtxConfigMixin, TwistTargetConfig):
             )
         if self.proposal_learning_rate is not None and self.proposal_learning_rate < 0:
             fail(f"proposal_learning_rate={self.proposal_learning_rate} must be >= 0.")
-        proposal_loss = self.proposal_loss_type if self.uses_proposal_model else None
-        if self.padding_free and proposal_loss and not twist_uses_logprobs_only(self.parameterization, proposal_loss):
-            fail(
-                f"padding_free=True needs the proposal's twist read from token log-probs alone; parameterization="
-                f"{self.parameterization!r} with proposal_loss_type={proposal_loss!r} needs its logits. Use "
-                "parameterization='policy_psi_q_p_s_t' or 'policy_psi_q_p_s_1_to_t' (not with 'dpg'), or "
-                "padding_free=False."
-            )
 
     def _validate_target(self, fail) -> None:
         if self.rm_type == "indicator_below_threshold" and self.reward_threshold is None:

@@ -303,11 +303,7 @@ class PPOConfig(PtxConfigMixin, OnlineConfig):
 
     # ----------------------------------------------------------------------------------------------- rewards
     kl_coef: float = field(
-        default=0.05,
-        metadata={
-            "help": "KL coefficient (the start value of the adaptive controller, kl_target). 0 without kl_target: the "
-            "reference is not run and the KL metrics are not logged."
-        },
+        default=0.05, metadata={"help": "KL coefficient (kl_target's start value); 0 w/o kl_target: no reference run."}
     )
     kl_target: float | None = field(
         default=None,

@@ -10,7 +10,7 @@ from ...losses import available_losses
 from ...models.twist import TWIST_PARAMETERIZATIONS
 from ...rewards import RewardShaping
 from ..common.online_config import TwistTargetConfig
-from .twist_step import twist_uses_logprobs_only, validate_twist_setup
+from .twist_step import validate_twist_setup
 
 __all__ = ["ProposalConfig"]
 
@@ -89,13 +89,9 @@ class ProposalConfig(TwistTargetConfig):
         ds3_gather_for_generation (`bool`, *optional*, defaults to `True`):
             Under ZeRO-3, gather the weights once per generation call.
         padding_free (`bool`, *optional*, defaults to `False`):
-            trl_ext addition. Run the training forward passes with the rows of each micro-batch packed into one
-            sequence (per-row `position_ids`, no padding tokens; same losses and gradients). Needs an attention
-            implementation that keeps packed rows apart (`sdpa`, `eager`, `flex_attention`, `flash_attention_2`;
-            checked when the trainer starts). It pays off with flash-attention's varlen kernels on GPU; with
-            `sdpa`/`eager` the attention mask of `N` packed tokens is a dense `N × N`.
-            Only with the twist parameterisations that need token log-probs alone (`policy_psi_q_p_s_t`,
-            `policy_psi_q_p_s_1_to_t`; not with DPG's all-vocabulary loss).
+            trl_ext addition. Run the training forward passes with each micro-batch's rows packed into one sequence
+            (same losses and gradients; the attention is checked at start, see `PPOConfig`). Only with the
+            parameterisations `policy_psi_q_p_s_t` / `policy_psi_q_p_s_1_to_t` and a twist loss other than DPG.
 
         > Parameters that control the data and the run length
 
@@ -188,6 +184,9 @@ class ProposalConfig(TwistTargetConfig):
     push_to_hub: bool = field(default=False, metadata={"help": "Whether to push the proposal to the Hub."})
 
     # ------------------------------------------------------------------------------------------- checks
+    def _twist_loss_type(self) -> str | None:
+        return self.loss_type
+
     def _validate(self) -> None:
         super()._validate()
         fail = self._fail
@@ -207,13 +206,6 @@ class ProposalConfig(TwistTargetConfig):
             validate_twist_setup(self.parameterization, self.loss_type)
         except ValueError as err:
             fail(str(err))
-        if self.padding_free and not twist_uses_logprobs_only(self.parameterization, self.loss_type):
-            fail(
-                f"padding_free=True needs a twist read from token log-probs alone; parameterization="
-                f"{self.parameterization!r} with loss_type={self.loss_type!r} needs q's logits. Use "
-                "parameterization='policy_psi_q_p_s_t' or 'policy_psi_q_p_s_1_to_t' (not with 'dpg'), or "
-                "padding_free=False."
-            )
         if not self.modulation_init_scale_divider > 0:
             fail(f"modulation_init_scale_divider={self.modulation_init_scale_divider}: set a positive divider.")
         if self.modulation_init_head_from_base and self.parameterization not in (
