@@ -119,13 +119,13 @@ class VLLMRolloutEngine:
         rows = [pair for group in completions for pair in group]
         if len(rows) != prompt_ids.shape[0]:
             raise RuntimeError(f"vLLM returned {len(rows)} completions for {prompt_ids.shape[0]} rows.")
+        rows = [(ids[: settings.max_new_tokens], lps) for ids, lps in rows]
         width = max(1, max(len(ids) for ids, _ in rows))
         shape, device = (len(rows), width), prompt_ids.device
         responses = torch.full(shape, settings.pad_token_id, dtype=torch.long)
         generated = torch.zeros(shape, dtype=torch.bool)
         logprobs = torch.zeros(shape, dtype=torch.float32)
         for i, (ids, lps) in enumerate(rows):
-            ids = ids[: settings.max_new_tokens]
             responses[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             generated[i, : len(ids)] = True
             logprobs[i, : len(ids)] = torch.tensor(lps[: len(ids)], dtype=torch.float32)

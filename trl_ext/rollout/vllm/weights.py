@@ -1,7 +1,8 @@
 """The trained policy's weights, one tensor at a time, under the names vLLM's loader expects (HF checkpoint names).
 
 - plain models: ``named_parameters()`` as they are (tied weights come once, as vLLM wants);
-- PEFT models: the adapters are merged into the base weights for the walk and unmerged after it; names lose
+- PEFT models: each LoRA layer's weight is sent as ``W + Σ_active ΔW`` (``get_delta_weight``), computed on the side —
+  the model is never merged and unmerged, so its frozen base weights do not drift by rounding; names lose
   ``base_model.model.`` and ``.base_layer``, LoRA tensors are skipped, ``modules_to_save`` copies replace originals;
 - DeepSpeed ZeRO-3: parameters are gathered **one module at a time** (`deepspeed.zero.GatheredParameters` on that
   module's own parameters), so no process ever holds the whole model; a PEFT model is gathered whole (merging
@@ -46,6 +47,20 @@ def _vllm_name(name: str, peft_prefix: str | None) -> str | None:
     return name.replace("modules_to_save.default.", "").replace("_checkpoint_wrapped_module.", "")
 
 
+def _merged(model: nn.Module, name: str, param: nn.Parameter) -> torch.Tensor:
+    """``param`` plus the active LoRA deltas of its layer when it is a LoRA layer's base weight, else ``param``."""
+    if not name.endswith(".base_layer.weight"):
+        return param.data
+    layer = model.get_submodule(name.removesuffix(".base_layer.weight"))
+    if not hasattr(layer, "get_delta_weight") or getattr(layer, "merged", False):
+        return param.data
+    weight = param.data
+    for adapter in layer.active_adapters:
+        if adapter in getattr(layer, "lora_A", {}) or adapter in getattr(layer, "lora_embedding_A", {}):
+            weight = weight + layer.get_delta_weight(adapter).to(weight.dtype)
+    return weight
+
+
 def iter_vllm_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` for every weight of the (unwrapped) causal LM ``model``, see the module docs.
 
@@ -56,14 +71,10 @@ def iter_vllm_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     if is_peft_model(model):
         prefix = getattr(model, "prefix", "lora_")
         with _gathered(list(model.parameters()), zero3), torch.no_grad():
-            model.merge_adapter()
-            try:
-                for name, param in model.named_parameters():
-                    target = _vllm_name(name, prefix)
-                    if target is not None:
-                        yield target, param.data
-            finally:
-                model.unmerge_adapter()
+            for name, param in model.named_parameters():
+                target = _vllm_name(name, prefix)
+                if target is not None:
+                    yield target, _merged(model, name, param)
         return
     seen: set[int] = set()
     for module_name, module in model.named_modules():
