@@ -98,7 +98,7 @@ setup-vllm: $(VLLM_VENV)/.installed
 
 # Tests marked `vllm` (left out of `make test`): real vLLM engines on CPU, colocate and server mode on 127.0.0.1.
 test-vllm: setup-vllm
-	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) -m pytest -m vllm -p no:cacheprovider $(PYTEST_ARGS) tests/vllm
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) -m pytest -m vllm -p no:cacheprovider $(PYTEST_ARGS) tests/vllm_cpu
 
 # Regenerates requirements/vllm.txt from a fresh, unpinned vLLM venv.
 lock-vllm:

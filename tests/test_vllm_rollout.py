@@ -1,7 +1,7 @@
 """vLLM generation (``use_vllm=True``) without vLLM: the config fields, the errors and the fallback, the importance
 weights by hand, and the rollout engine (sampling layout, weight sync) with a fake engine that is a plain HF model.
 
-The tests with a real vLLM engine are in tests/vllm/ (marker ``vllm``, ``make test-vllm``)."""
+The tests with a real vLLM engine are in tests/vllm_cpu/ (marker ``vllm``, ``make test-vllm``)."""
 
 from __future__ import annotations
 
@@ -127,6 +127,9 @@ def test_is_correction_is_ppo_only(tmp_path, config):
     with pytest.raises(ValueError, match="supported by PPOTrainer only"):
         config(output_dir=str(tmp_path), report_to="none", use_vllm=True, vllm_importance_sampling_correction=True)
     PPOConfig(output_dir=str(tmp_path), report_to="none", use_vllm=True, vllm_importance_sampling_correction=True)
+    with pytest.raises(ValueError, match="with top_k/top_p"):
+        PPOConfig(output_dir=str(tmp_path), report_to="none", use_vllm=True, top_k=5,
+                  vllm_importance_sampling_correction=True)  # fmt: skip
 
 
 # -------------------------------------------------------------------------------------------- importance weights

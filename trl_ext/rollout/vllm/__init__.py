@@ -6,7 +6,9 @@ Importing this package does not import vLLM; the engines import it when they are
   :func:`vllm_sampling_params` (the ``generate`` sampling settings in vLLM's terms);
 - `backends`: :class:`ColocateEngine` (a `vllm.LLM` in the training process) and :class:`ServerEngine` (a
   ``trl vllm-serve`` server through TRL's `VLLMClient`);
-- `weights`: :func:`iter_vllm_weights` (HF checkpoint names; PEFT merged; ZeRO-3 one module at a time).
+- `weights`: :func:`iter_vllm_weights` (HF checkpoint names; PEFT merged; ZeRO-3 one module at a time);
+- `worker`: code run inside vLLM's worker (the fix of a tied LM head after an in-place reload on CPU, and the server
+  extension ``WeightReloadExtension``).
 """
 
 from __future__ import annotations

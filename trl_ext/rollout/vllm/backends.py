@@ -1,8 +1,9 @@
 """The two vLLM engines a rollout can sample from, behind one small interface:
 
 - ``generate(prompts, params, n)``: ``n`` completions per prompt (token ids) → per prompt, ``n`` pairs
-  ``(completion_ids, logprobs)`` (vLLM's ``processed_logprobs``: temperature applied, top-k/top-p not — the same
-  tempered, unfiltered log-probs the trainers compute);
+  ``(completion_ids, logprobs)`` (vLLM's ``processed_logprobs``: of the distribution sampled from, temperature
+  applied and, with top-k/top-p, renormalised over the kept tokens; without top-k/top-p the trainers' tempered
+  log-probs);
 - ``load_weights(named_tensors)``: put the trained weights into the engine.
 
 :class:`ColocateEngine` is a `vllm.LLM` in the training process (in-process executor,
@@ -11,8 +12,11 @@
 :class:`ServerEngine` talks to a ``trl vllm-serve`` (``VLLM_SERVER_DEV_MODE=1 vllm serve ...``) server through TRL's
 `trl.generation.vllm_client.VLLMClient`. Weights go over TRL's NCCL weight-transfer group when the trainer is on a
 CUDA device; vLLM has no other transfer backend for a CPU trainer, so there the weights are written to a
-safetensors folder that the server reads back through its dev endpoint ``/collective_rpc`` (``reload_weights``,
-``weights_path``) — which needs a file system shared with the server (the same machine, or a shared mount).
+safetensors folder that the server reads back through its dev endpoint ``/collective_rpc`` — which needs a file
+system shared with the server (the same machine, or a shared mount). The method called is
+``trl_ext_reload_weights`` of :class:`~.worker.WeightReloadExtension` (start the server with
+``--worker-extension-cls trl_ext.rollout.vllm.worker.WeightReloadExtension``), else vLLM's own ``reload_weights``
+with a warning: on a CPU server that one leaves a tied LM head stale (:mod:`.worker`).
 """
 
 from __future__ import annotations
@@ -107,8 +111,11 @@ class ColocateEngine:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self._wake()
+        from .worker import refresh_tied_lm_head
+
         runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
         runner.reload_weights(weights_iterator=iter(named_tensors))
+        refresh_tied_lm_head(runner.get_model())
         self.llm.reset_prefix_cache()
         if self.enable_sleep_mode:
             self.llm.sleep(level=1)
@@ -139,6 +146,7 @@ class ServerEngine:
         self.device = torch.device(device)
         self.weights_dir = weights_dir
         self._nccl = False
+        self._reload_method = "trl_ext_reload_weights"
 
     def generate(self, prompts: Sequence[Sequence[int]], params: dict, n: int) -> Completions:
         params = dict(params)
@@ -180,8 +188,19 @@ class ServerEngine:
         os.makedirs(self.weights_dir, exist_ok=True)
         state = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in named_tensors}
         save_file(state, os.path.join(self.weights_dir, "model.safetensors"), metadata={"format": "pt"})
-        body = {"method": "reload_weights", "kwargs": {"weights_path": self.weights_dir}}
-        response = self.client.session.post(f"{self.client.base_url}/collective_rpc", json=body)
+        url = f"{self.client.base_url}/collective_rpc"
+        body = {"method": self._reload_method, "kwargs": {"weights_path": self.weights_dir}}
+        response = self.client.session.post(url, json=body)
+        if response.status_code not in (200, 404) and self._reload_method == "trl_ext_reload_weights":
+            logger.warning(
+                "The vLLM server at %s has no trl_ext worker extension (%s); reloading with vLLM's reload_weights, "
+                "which leaves a tied LM head stale on a CPU server. Start it with --worker-extension-cls "
+                "trl_ext.rollout.vllm.worker.WeightReloadExtension.",
+                self.client.base_url,
+                response.text[:200],
+            )
+            self._reload_method = "reload_weights"
+            response = self.client.session.post(url, json={**body, "method": "reload_weights"})
         if response.status_code == 404:
             raise RuntimeError(
                 f"The vLLM server at {self.client.base_url} has no /collective_rpc endpoint, which the CPU weight "

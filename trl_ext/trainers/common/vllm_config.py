@@ -46,8 +46,8 @@ VLLM_DOC = """
             Port of the NCCL weight-update group of the server (CUDA only; see docs/vllm.md for CPU).
         vllm_importance_sampling_correction (`bool`, *optional*, defaults to `False`):
             Weigh the policy loss by the truncated importance ratio `π_train / π_vLLM` of each sample (or token),
-            correcting for vLLM's numerics differing from the trained model's (PPOTrainer only). Off by default
-            (TRL's default is on) because our behaviour log-probs always come from the trained model.
+            correcting for vLLM's numerics differing from the trained model's (PPOTrainer only; not with top-k/top-p).
+            Off by default (TRL's default is on) because our behaviour log-probs always come from the trained model.
         vllm_importance_sampling_mode (`str`, *optional*, defaults to `"sequence_mask"`):
             `"token_truncate"`, `"token_mask"`, `"sequence_truncate"` or `"sequence_mask"`: per token or per
             sequence, ratios outside `[clip_min, clip_max]` clipped (truncate) or given weight 0 (mask).
@@ -178,6 +178,13 @@ class VLLMConfigMixin:
             fail(f"vllm_importance_sampling_clip_max={high}: set it > 0 (e.g. 3.0) or None.")
         if low is not None and (low < 0 or (high is not None and low >= high)):
             fail(f"vllm_importance_sampling_clip_min={low}: set it in [0, vllm_importance_sampling_clip_max).")
+        filtered = getattr(self, "top_k", None) or getattr(self, "top_p", 1.0) < 1.0
+        if self.use_vllm and self.vllm_importance_sampling_correction and filtered:
+            fail(
+                "vllm_importance_sampling_correction=True with top_k/top_p: vLLM reports log-probs renormalised over "
+                "the kept tokens, the trainer unfiltered ones, so their ratio is not a numerical correction; turn "
+                "top_k/top_p off or set vllm_importance_sampling_correction=False."
+            )
         if self.use_vllm and self.vllm_importance_sampling_correction and not self._supports_vllm_is_correction:
             fail(
                 "vllm_importance_sampling_correction=True is supported by PPOTrainer only (here the losses weigh "
