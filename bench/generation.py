@@ -47,11 +47,11 @@ class _Accelerator:
 def prompt_batch(tokenizer, batch: int, device):
     """``batch`` left-padded chat prompts (the 8 questions above, each with a distinct numbered prefix)."""
     texts = [f"({i}) {PROMPTS[i % len(PROMPTS)]}" for i in range(batch)]
-    rows = [
-        tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
+    chats = [
+        tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
         for t in texts
     ]
-    rows = [r["input_ids"] if isinstance(r, dict) else list(r) for r in rows]
+    rows = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in chats]
     width = max(map(len, rows))
     ids = [[tokenizer.pad_token_id] * (width - len(r)) + list(r) for r in rows]
     mask = [[0] * (width - len(r)) + [1] * len(r) for r in rows]

@@ -35,11 +35,6 @@ logger = logging.getLogger(__name__)
 Completions = list[list[tuple[list[int], list[float]]]]
 
 
-def sampling_kwargs(params: dict) -> dict:
-    """vLLM ``SamplingParams`` keyword arguments from :func:`~.engine.vllm_sampling_params`'s dict."""
-    return dict(params)
-
-
 class ColocateEngine:
     """A `vllm.LLM` in this process, fed token ids (no tokenizer: ``skip_tokenizer_init``). ``model_path``: a folder
     (or Hub id) with the policy's config; ``load_format="dummy"`` starts from random weights, replaced at the first
@@ -94,7 +89,7 @@ class ColocateEngine:
         from vllm import SamplingParams
 
         self._wake()
-        sampling = SamplingParams(n=n, logprobs=0, detokenize=False, **sampling_kwargs(params))
+        sampling = SamplingParams(n=n, logprobs=0, detokenize=False, **params)
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling, use_tqdm=False)
         result = []
         for out in outputs:
