@@ -33,17 +33,15 @@ from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList
 
 from ..models.lora import is_peft_model
-from ..models.offload import on_device
-from ..models.reward import get_sequence_scores
-from ..models.reward_functions import RewardFunction, as_reward_function
 from ..models.value_head import AutoModelForCausalLMWithValueHead
 from ..ops.logprobs import DEFAULT_CHUNK_SIZE, logprobs_from_logits
 from ..ops.sequences import position_ids_from_attention_mask, truncate_after_stop_token
 from ..utils import eval_mode
 from .finite import screen_rewards
 from .reference import ReferencePolicy
+from .reward import RolloutReward
 from .sampling import SampleAndRecord
-from .vision import VisionInputs, add_vision_inputs, generation_inputs, reward_images
+from .vision import VisionInputs, add_vision_inputs, generation_inputs
 
 __all__ = [
     "PolicyOutput",
@@ -53,6 +51,7 @@ __all__ = [
     "RolloutReward",
     "SamplingSettings",
     "causal_lm_outputs",
+    "finish_responses",
     "forward_response",
     "generate_responses",
     "rollout_logprobs",
@@ -95,6 +94,9 @@ class Rollout:
     """The rows' image inputs (vision-language policies, see :mod:`~trl_ext.rollout.vision`), else ``None``."""
     dropped: torch.Tensor | None = None
     """``(B,)`` bool: rows given zero weight (a non-finite reward, ``nonfinite_rewards="drop"``); ``None``: none."""
+    engine_logprobs: torch.Tensor | None = None
+    """``(B, T)`` fp32 log-probs of the response tokens under the vLLM engine that sampled them (``use_vllm``; for the
+    importance-sampling correction, `trl_ext.ops.vllm_importance_weights`); ``None`` with ``generate``."""
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -200,6 +202,20 @@ def _generation_config(model: nn.Module, config: GenerationConfig):
         target.generation_config = saved
 
 
+def finish_responses(responses: torch.Tensor, generated: torch.Tensor, settings: SamplingSettings):
+    """``(responses, mask, contains_stop)`` from ``(B, T)`` sampled ids and the ``(B, T)`` bool "was generated": cut
+    after the first stop token (kept; pad after it), the mask, and whether a stop (or, without stop tokens, the eos)
+    token is in the response. Shared by ``generate`` and the vLLM engine (`trl_ext.rollout.vllm`)."""
+    if settings.stop_token_ids:
+        responses, mask = truncate_after_stop_token(responses, settings.stop_token_ids, settings.pad_token_id)
+        mask = mask * generated
+    else:
+        mask = generated.long()
+    ended_ids = settings.stop_token_ids or ((settings.eos_token_id,) if settings.eos_token_id is not None else ())
+    ended = torch.tensor(list(ended_ids), dtype=torch.long, device=responses.device)
+    return responses, mask, (torch.isin(responses, ended) & (mask != 0)).any(-1)
+
+
 @torch.no_grad()
 def generate_responses(
     model: nn.Module,
@@ -248,14 +264,7 @@ def generate_responses(
         if logprobs is not None:
             logprobs[row : row + chunk.shape[0], : chunk.shape[1]] = logprob_chunks[i].to(logprobs.device)
         row += chunk.shape[0]
-    if settings.stop_token_ids:
-        responses, mask = truncate_after_stop_token(responses, settings.stop_token_ids, settings.pad_token_id)
-        mask = mask * generated
-    else:
-        mask = generated.long()
-    ended_ids = settings.stop_token_ids or ((settings.eos_token_id,) if settings.eos_token_id is not None else ())
-    ended = torch.tensor(list(ended_ids), dtype=torch.long, device=responses.device)
-    contains_stop = (torch.isin(responses, ended) & (mask != 0)).any(-1)
+    responses, mask, contains_stop = finish_responses(responses, generated, settings)
     if not return_logprobs:
         return responses, mask, contains_stop
     if logprobs is not None:
@@ -373,63 +382,6 @@ def rollout_logprobs(model: nn.Module, rollout: Rollout, batch_size: int, temper
     return torch.cat(parts)
 
 
-class RolloutReward:
-    """Scores ``prompt + response`` rows: ``(B,)`` fp32 on the rows' device.
-
-    - an ``nn.Module`` reward model is taken to share the policy's tokenizer (TRL's PPO convention) and is scored on
-      the token ids with :func:`~trl_ext.models.get_sequence_scores`, at the last real token of each row (from the
-      mask, so left/right padding and pad == eos are right);
-    - anything else goes through :func:`~trl_ext.models.as_reward_function` (a ``(model, tokenizer)`` pair, a
-      ``RewardFunction``, a callable ``(prompts, completions) -> scores``, a URL, a checkpoint path) and is scored on
-      the decoded texts; with ``uses_images`` it also gets the rows' PIL images as ``images=``.
-
-    ``offload_device``: with a reward model kept on the CPU (``reward_offload=True``), the device it is moved to for
-    its forward passes (each call, or the whole block of :meth:`placed`); ``None``: it stays where it is.
-    """
-
-    def __init__(self, reward, tokenizer, uses_images: bool = False, offload_device: torch.device | None = None):
-        self.tokenizer, self.uses_images = tokenizer, uses_images
-        self.offload_device = offload_device
-        self.model: nn.Module | None = None
-        self.function: RewardFunction | None = None
-        if isinstance(reward, nn.Module):
-            embeddings = reward.get_input_embeddings() if hasattr(reward, "get_input_embeddings") else None
-            size = getattr(embeddings, "num_embeddings", None)
-            if size is not None and size < len(tokenizer):
-                raise ValueError(
-                    f"The reward model's vocabulary ({size} tokens) is smaller than the policy tokenizer's "
-                    f"({len(tokenizer)}): it cannot read the policy's token ids. If it has its own tokenizer, pass "
-                    "reward_model=(model, its_tokenizer) to score decoded text instead."
-                )
-            self.model = reward
-        else:
-            self.function = as_reward_function(reward)
-
-    @property
-    def uses_token_ids(self) -> bool:
-        return self.model is not None
-
-    def placed(self):
-        """Context in which an offloaded reward model is on ``offload_device`` (a no-op otherwise)."""
-        return on_device(self.model, self.offload_device, enabled=self.model is not None)
-
-    @torch.no_grad()
-    def __call__(self, prompt_ids, prompt_mask, response_ids, response_mask, vision=None) -> torch.Tensor:
-        device = prompt_ids.device
-        if self.model is not None:
-            with self.placed():
-                param = next(self.model.parameters(), None)
-                target = param.device if param is not None else device
-                ids = torch.cat([prompt_ids, response_ids], 1).to(target)
-                mask = torch.cat([prompt_mask, response_mask], 1).to(target)
-                with eval_mode(self.model):
-                    return get_sequence_scores(self.model, ids, mask).float().to(device)
-        kwargs = {"images": reward_images(vision)} if self.uses_images else {}
-        ids_and_masks = (prompt_ids, response_ids, self.tokenizer, prompt_mask, response_mask)
-        scores = self.function.score_token_ids(*ids_and_masks, **kwargs)
-        return scores.float().to(device)
-
-
 # ------------------------------------------------------------------------------------------------ the rollout
 class RolloutGenerator:
     """Makes :class:`Rollout` s. Configure once, call per prompt batch: ``rollout = generator(model, ids, mask)``.
@@ -453,6 +405,8 @@ class RolloutGenerator:
             differ by more than the PPO ratio tolerates, so the forward pass is kept there.
         nonfinite_rewards: ``"error"`` raises on a NaN / ±inf score, ``"drop"`` gives those samples zero weight
             (:func:`~trl_ext.rollout.finite.screen_rewards`).
+        engine: a :class:`~trl_ext.rollout.vllm.VLLMRolloutEngine` that samples instead of ``generate`` (the policy's
+            log-probs then come from a forward pass; the engine's are kept in ``Rollout.engine_logprobs``).
     """
 
     def __init__(
@@ -470,7 +424,9 @@ class RolloutGenerator:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         logprobs_from_generation: bool = True,
         nonfinite_rewards: str = "error",
+        engine=None,
     ):
+        self.engine = engine
         self.settings, self.reward, self.reference = settings, reward, reference
         self.logprobs_from_generation, self.nonfinite_rewards = logprobs_from_generation, nonfinite_rewards
         self.forward_batch_size, self.accelerator = int(forward_batch_size), accelerator
@@ -532,13 +488,21 @@ class RolloutGenerator:
         prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
         vision = vision.repeat_interleave(n) if vision is not None else None
         start = time.perf_counter()
-        with self.generation_model(model) as policy:
-            responses, response_mask, contains_stop, sampled_logprobs = generate_responses(
-                policy, prompt_ids, prompt_mask, self.settings, self.forward_batch_size, return_logprobs=True,
-                vision=vision,
-            )  # fmt: skip
-            if not (self.logprobs_from_generation and self._full_precision(policy)):
-                sampled_logprobs = None
+        engine_logprobs = None
+        if self.engine is not None:  # vLLM: weights loaded into the engine when stale, then sampled there
+            policy = self.policy_of(self._unwrapped(model))
+            responses, response_mask, contains_stop, engine_logprobs = self.engine.generate(
+                policy, prompt_ids, prompt_mask, self.settings
+            )
+            sampled_logprobs = None
+        else:
+            with self.generation_model(model) as policy:
+                responses, response_mask, contains_stop, sampled_logprobs = generate_responses(
+                    policy, prompt_ids, prompt_mask, self.settings, self.forward_batch_size, return_logprobs=True,
+                    vision=vision,
+                )  # fmt: skip
+                if not (self.logprobs_from_generation and self._full_precision(policy)):
+                    sampled_logprobs = None
         generation_time = time.perf_counter() - start
         start = time.perf_counter()
         ids = torch.cat([prompt_ids, responses], 1)
@@ -594,6 +558,7 @@ class RolloutGenerator:
             num_samples_per_prompt=n,
             timings={"generation": generation_time, "scoring": time.perf_counter() - start},
             vision=vision,
+            engine_logprobs=engine_logprobs,
         )
         many = self.accelerator is not None and self.accelerator.num_processes > 1
         reduce = (lambda count: self.accelerator.reduce(count, reduction="sum")) if many else None

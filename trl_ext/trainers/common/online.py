@@ -56,6 +56,7 @@ from .metrics import log_completions_table, print_completions_table
 from .model_card import CompleteModelCard, write_text_atomically
 from .resume import VerifiedResumeMixin
 from .reward_norm import RunningMoments
+from .vllm_setup import build_vllm_engine
 
 __all__ = ["OnlineTrainerMixin", "evaluates_with_ema", "forked_rng", "hub_push_errors"]
 
@@ -296,9 +297,16 @@ class OnlineTrainerMixin(FiniteStepsMixin, CompleteModelCard, VerifiedResumeMixi
             num_samples_per_prompt=args.num_samples_per_prompt,
         )
 
+    def _build_vllm(self, models: list[nn.Module], always_sync: bool = False) -> None:
+        """With ``use_vllm``: ``self._vllm``, the engine ``models`` sample from (`vllm_setup.build_vllm_engine`). Their
+        weights are loaded into it when ``global_step`` (the optimizer steps) changed since the last load, or every
+        time with ``always_sync`` (a trainer that also steps outside `Trainer`'s count)."""
+        version_fn = None if always_sync else (lambda: self.state.global_step)
+        self._vllm = build_vllm_engine(self.args, models, self.accelerator, type(self).__name__, version_fn)
+
     def _rollout_generator(self, reward: RolloutReward, reference: ReferencePolicy, **kwargs) -> RolloutGenerator:
-        """A :class:`RolloutGenerator` with ``self._sampling`` and the config's rollout options; ``kwargs`` (e.g.
-        ``policy_of``) are passed on."""
+        """A :class:`RolloutGenerator` with ``self._sampling`` and the config's rollout options (and the vLLM engine
+        of :meth:`_build_vllm`, if any); ``kwargs`` (e.g. ``policy_of``) are passed on."""
         args = self.args
         if getattr(reward, "model", None) is not None and reward.model is self.reward_model:  # reward_offload
             reward.offload_device = getattr(self, "_reward_offload_device", None)
@@ -307,7 +315,7 @@ class OnlineTrainerMixin(FiniteStepsMixin, CompleteModelCard, VerifiedResumeMixi
             forward_batch_size=args.local_rollout_forward_batch_size, accelerator=self.accelerator,
             missing_eos_penalty=args.missing_eos_penalty, gather_deepspeed3_params=args.ds3_gather_for_generation,
             gradient_checkpointing_kwargs=args.activation_checkpointing_kwargs,
-            nonfinite_rewards=args.nonfinite_rewards, **kwargs,
+            nonfinite_rewards=args.nonfinite_rewards, engine=getattr(self, "_vllm", None), **kwargs,
         )  # fmt: skip
 
     # ------------------------------------------------------------------------------------- Trainer plumbing

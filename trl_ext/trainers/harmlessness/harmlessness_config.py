@@ -14,6 +14,7 @@ from ...ops.kl import KL_ESTIMATORS
 from ...rewards import REWARD_TRANSFORMS, RM_TYPES
 from ..common.online_config import TwistTargetConfig
 from ..common.ptx_config import PtxConfigMixin
+from ..common.vllm_config import VLLMConfigMixin, document_vllm_options
 
 __all__ = ["HarmlessnessConfig", "ORDERS", "PROPOSAL_LOSS_TYPES", "REWARD_TRANSFORM_NAMES", "RM_TYPE_NAMES"]
 
@@ -26,8 +27,9 @@ RM_TYPE_NAMES: tuple[str, ...] = RM_TYPES
 REWARD_TRANSFORM_NAMES: tuple[str, ...] = REWARD_TRANSFORMS
 
 
+@document_vllm_options
 @dataclass
-class HarmlessnessConfig(PtxConfigMixin, TwistTargetConfig):
+class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, TwistTargetConfig):
     r"""
     Configuration class for [`~trl_ext.HarmlessnessTrainer`], the RePULSe training loop: a policy `p_θ` trained with
     REINFORCE plus a term that pushes down the probability of its own low-reward outputs, found by a learned proposal

@@ -173,6 +173,8 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
             if module is not None
         }
         self._sampling = self._sampling_settings(args)
+        # One engine for p and q: each one's weights are loaded before its samples (docs/vllm.md).
+        self._build_vllm([m for m in (policy, proposal) if m is not None], always_sync=True)
         reward = RolloutReward(self.reward_model, self.tokenizer, uses_images=args.reward_uses_images)
         self._generators = {"policy": self._generator(reward, self.reference)}
         if proposal is not None:  # the proposal's "reference" is the current policy: its target's base

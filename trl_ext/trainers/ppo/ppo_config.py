@@ -14,6 +14,7 @@ from ...losses.reinforce import BASELINES
 from ...ops.kl import KL_ESTIMATORS
 from ..common.online_config import OnlineConfig
 from ..common.ptx_config import PtxConfigMixin
+from ..common.vllm_config import VLLMConfigMixin, document_vllm_options
 
 __all__ = ["PPOConfig", "ACTOR_LOSS_KINDS", "REINFORCE_BASELINES"]
 
@@ -23,8 +24,9 @@ ACTOR_LOSS_KINDS: tuple[str, ...] = ("policy", "reinforce")
 REINFORCE_BASELINES: tuple[str, ...] = ("none", "rloo", "hardcoded")
 
 
+@document_vllm_options
 @dataclass
-class PPOConfig(PtxConfigMixin, OnlineConfig):
+class PPOConfig(VLLMConfigMixin, PtxConfigMixin, OnlineConfig):
     r"""
     Configuration class for [`~trl_ext.PPOTrainer`].
 
@@ -236,6 +238,8 @@ class PPOConfig(PtxConfigMixin, OnlineConfig):
     > gradient checkpointing on, and `bf16` on when `fp16` is off *and a GPU (or XPU) is present*; on a CPU-only
     > machine `bf16` defaults to `False` (TRL's default would refuse to start there).
     """
+
+    _supports_vllm_is_correction = True  # the IS ratios weigh the advantages (`PPOTrainer.compute_policy_loss`)
 
     # ------------------------------------------------------------------------------------- TrainingArguments
     learning_rate: float = field(default=3e-6, metadata={"help": "The initial learning rate for AdamW."})

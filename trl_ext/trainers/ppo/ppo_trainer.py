@@ -49,6 +49,7 @@ from ..common.manifest import naming_file
 from ..common.metrics import PPOMetrics, rollout_metrics
 from ..common.online import OnlineTrainerMixin, evaluates_with_ema, forked_rng
 from ..common.ptx import build_ptx
+from ..common.vllm_setup import importance_corrected_advantages
 from .compat import TRL112Attributes
 from .experience import Experience, minibatch_counts, padded_lengths, ppo_schedule, schedule_position
 from .policy_value import PolicyAndValueModel, build_ppo_models
@@ -189,6 +190,7 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
                 "policy fits on one GPU."
             )
         self._sampling = self._sampling_settings(args)
+        self._build_vllm([policy])
         self.rollout_generator = self._rollout_generator(
             RolloutReward(self.reward_model, self.tokenizer, uses_images=args.reward_uses_images), self.reference,
             policy_of=lambda m: m.policy, with_values=wrapper.has_critic,
@@ -329,6 +331,7 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         self._metrics.scalars["objective/kl_coef"] = self.kl_controller.value  # the coefficient of these rewards
         self._update_kl_controller(rewards.kl, rollout.response_mask)
         advantages, returns = self.compute_advantages(rollout, rewards)
+        advantages = importance_corrected_advantages(self.args, rollout, advantages, self._metrics)  # use_vllm
         schedule = self._schedule(rollout_index, rollout)
         normalizers = self._normalizers(rollout.response_mask, schedule, rollout.dropped)
         value_mask = value_normalizers = None

@@ -10,13 +10,15 @@ from ...losses import available_losses
 from ...models.twist import TWIST_PARAMETERIZATIONS
 from ...rewards import RewardShaping
 from ..common.online_config import TwistTargetConfig
+from ..common.vllm_config import VLLMConfigMixin, document_vllm_options
 from .twist_step import validate_twist_setup
 
 __all__ = ["ProposalConfig"]
 
 
+@document_vllm_options
 @dataclass
-class ProposalConfig(TwistTargetConfig):
+class ProposalConfig(VLLMConfigMixin, TwistTargetConfig):
     r"""
     Configuration class for [`~trl_ext.ProposalTrainer`].
 

@@ -154,6 +154,7 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
             processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
         )  # fmt: skip
         self._sampling = self._sampling_settings(args)
+        self._build_vllm([model])
         reward = RolloutReward(self.reward_model, self.tokenizer)
         self.rollout_generator = self._rollout_generator(reward, self.reference)
         self._metrics = ProposalMetrics()
