@@ -20,6 +20,7 @@ from trl import SFTConfig, SFTTrainer
 
 from ..losses import get_loss
 from ..models.offload import check_offloadable, on_device
+from .common.distributed import CpuFsdpMixin
 from .common.finite import FiniteStepsArguments, FiniteStepsMixin
 from .common.model_card import CompleteModelCard
 from .common.resume import VerifiedResumeMixin
@@ -129,7 +130,7 @@ class KDConfig(FiniteStepsArguments, ResumeConfigMixin, SFTConfig):
             )
 
 
-class KDTrainer(CompleteModelCard, FiniteStepsMixin, VerifiedResumeMixin, SFTTrainer):
+class KDTrainer(CompleteModelCard, FiniteStepsMixin, VerifiedResumeMixin, CpuFsdpMixin, SFTTrainer):
     """[`~trl.SFTTrainer`] that adds a distillation term towards a frozen teacher (see [`KDConfig`]).
 
     Args:

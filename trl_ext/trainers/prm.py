@@ -35,6 +35,7 @@ from trl.trainer.base_trainer import _BaseTrainer
 from trl.trainer.utils import pad
 
 from ..losses import get_loss
+from .common.distributed import CpuFsdpMixin
 from .common.finite import FiniteStepsArguments, FiniteStepsMixin
 from .common.model_card import CompleteModelCard
 from .common.resume import VerifiedResumeMixin
@@ -351,7 +352,7 @@ def _architecture_kind(model) -> str | None:
     return None
 
 
-class PRMTrainer(CompleteModelCard, FiniteStepsMixin, VerifiedResumeMixin, _BaseTrainer):
+class PRMTrainer(CompleteModelCard, FiniteStepsMixin, VerifiedResumeMixin, CpuFsdpMixin, _BaseTrainer):
     """Trains a process reward model on step-labelled solutions (see the module docstring and [`PRMConfig`]).
 
     Args:

@@ -196,6 +196,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         self.beta, self.alpha = self._schedule(0)
         self._ptx = build_ptx(args, pretrain_dataset, self.tokenizer, type(self).__name__)
         self._last_ptx: torch.Tensor | None = None
+        self._micro_step: int | None = None  # micro-steps so far (keys the rows' streams with seed_per_row)
 
     # ------------------------------------------------------------------------------------------------ setup
     def _generator(self, reward: RolloutReward, reference: ReferencePolicy) -> RolloutGenerator:
@@ -256,6 +257,8 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         """One micro-step on one batch of prompts: rollouts, rewards, the proposal's and the policy's losses and
         backward passes (and, per the module docs, the optimizer step of one of the two models)."""
         args = self.args
+        if self._micro_step is None:  # a fresh or resumed run: micro-steps of the optimizer steps done
+            self._micro_step = self.state.global_step * args.gradient_accumulation_steps
         self.guard_optimizer_steps()  # non-finite losses/gradients skip the optimizer step (`common/finite.py`)
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
@@ -269,8 +272,8 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         vision = {"vision": inputs["vision"].to(device)} if inputs.get("vision") is not None else {}
         scale = 1.0 / self.current_gradient_accumulation_steps
         self._timings = {"proposal_step": 0.0, "policy_step": 0.0}
-        for _ in range(args.q_steps_per_p_step - 1):
-            self._proposal_only_step(model, prompt_ids, prompt_mask, **vision)
+        for extra in range(args.q_steps_per_p_step - 1):
+            self._proposal_only_step(model, prompt_ids, prompt_mask, **vision, stream=2 + extra)
         rollouts = self.rollout(model, prompt_ids, prompt_mask, **vision)
         self._update_policy_reward_normalizer(rollouts.policy)
         rewards = self.compute_rewards(rollouts)
@@ -295,7 +298,11 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         if self.accelerator.sync_gradients:  # the policy's optimizer step follows: one update of the KL controller
             self._update_kl_controller()
         loss = p_out.loss.detach() + (q_out.loss.loss.detach() if q_out is not None else 0.0)
+        self._micro_step += 1
         return loss * scale
+
+    def _start_training(self, resume_from_checkpoint: str | None) -> None:
+        self._micro_step = None
 
     def _update_kl_controller(self) -> None:
         """Feed the update's mean per-sequence KL to ``p_0`` (``base/kl``, averaged over its micro-steps and the
@@ -305,9 +312,10 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         if micro_steps:
             self.kl_controller.update(kl_sum / micro_steps, samples)
 
-    def _proposal_only_step(self, model: nn.Module, prompt_ids, prompt_mask, vision=None) -> None:
-        """An extra proposal update on fresh proposal samples (``q_steps_per_p_step > 1``; no accumulation)."""
-        rollout = self._sample("proposal", model, prompt_ids, prompt_mask, vision)
+    def _proposal_only_step(self, model: nn.Module, prompt_ids, prompt_mask, vision=None, stream: int = 2) -> None:
+        """An extra proposal update on fresh proposal samples (``q_steps_per_p_step > 1``; no accumulation);
+        ``stream``: the samples' stream with ``seed_per_row``."""
+        rollout = self._sample("proposal", model, prompt_ids, prompt_mask, vision, stream=stream)
         log_phi = self._target_log_phi(rollout.scores)
         if self._negdata is not None:
             self._negdata.add(rollout, rollout.scores, step=self.state.global_step, source="proposal")
@@ -402,9 +410,13 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         return rollout_logprobs(model, rollout, self.args.local_rollout_forward_batch_size, self.args.temperature)
 
     # ------------------------------------------------------------------------------------------ public hooks
-    def _sample(self, part: str, model: nn.Module, prompt_ids, prompt_mask, vision=None) -> Rollout:
+    def _sample(self, part: str, model: nn.Module, prompt_ids, prompt_mask, vision=None, stream=None) -> Rollout:
+        """``part``'s samples; with ``seed_per_row`` from the rows' own streams (:meth:`rollout_row_keys`: stream 0
+        for the policy, 1 for the proposal, ``stream`` when given) keyed by the micro-step."""
+        stream = stream if stream is not None else {"policy": 0, "proposal": 1}[part]
+        keys = self.rollout_row_keys(prompt_ids.shape[0], self._micro_step or 0, stream)
         with self._wrapper.acting_as(part):
-            return self._generators[part](model, prompt_ids, prompt_mask, vision=vision)
+            return self._generators[part](model, prompt_ids, prompt_mask, vision=vision, row_keys=keys)
 
     def rollout(self, model: nn.Module, prompt_ids, prompt_mask, vision=None) -> HarmlessnessRollouts:
         """Sample ``num_samples_per_prompt`` responses per left-padded prompt from the policy (scored by the

@@ -295,8 +295,9 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
         start = time.perf_counter()
         unwrapped = self.accelerator.unwrap_model(model)
         with self.reference.module(unwrapped) as reference:
+            keys = self.rollout_row_keys(prompt_ids.shape[0], self._micro_step or 0, stream=1)  # seed_per_row
             responses, response_mask, _ = generate_responses(
-                reference, ids, mask, self._sampling, self.args.local_rollout_forward_batch_size
+                reference, ids, mask, self._sampling, self.args.local_rollout_forward_batch_size, row_keys=keys
             )
         self._metrics.add("timing/reference_generation", time.perf_counter() - start)
         return {
@@ -309,8 +310,10 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
     def rollout(self, model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Rollout:
         """Sample ``num_samples_per_prompt`` responses of ``q`` per left-padded prompt and score them: ``q``'s and
         ``p_ref``'s log-probs (eval mode, no grad) and the raw rewards (see
-        :class:`~trl_ext.rollout.generator.RolloutGenerator`). Override to change how samples are collected."""
-        return self.rollout_generator(model, prompt_ids, prompt_mask)
+        :class:`~trl_ext.rollout.generator.RolloutGenerator`). With ``seed_per_row`` each row samples from its own
+        stream, keyed by the micro-step (:meth:`rollout_row_keys`). Override to change how samples are collected."""
+        keys = self.rollout_row_keys(prompt_ids.shape[0], self._micro_step or 0)
+        return self.rollout_generator(model, prompt_ids, prompt_mask, row_keys=keys)
 
     def compute_rewards(self, rollout: Rollout) -> ProposalRewards:
         """Raw scores (``missing_eos_penalty`` already subtracted) → ``(R, log φ = β·R)`` with the config's
@@ -412,9 +415,10 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
         totals: dict[str, float] = {}
         batches = 0
         with forked_rng():
-            for batch in loader if loader is not None else []:
+            for index, batch in enumerate(loader if loader is not None else []):
                 ids, mask = left_padded(batch["input_ids"], batch["attention_mask"], self.tokenizer.pad_token_id)
-                rollout = self.rollout(self.model_wrapped, ids, mask)
+                with self.evaluation_row_keys(index):  # seed_per_row: the eval batches' own streams
+                    rollout = self.rollout(self.model_wrapped, ids, mask)
                 rewards = self.compute_rewards(rollout)
                 values = proposal_diagnostics(
                     rollout.logprobs, rollout.ref_logprobs, rewards.log_phi, rollout.response_mask,
