@@ -48,6 +48,7 @@ __all__ = [
     "check_negative_data_options",
     "engine_name",
     "processes_text",
+    "seed_run",
     "train_and_eval_splits",
     "train_and_save",
 ]
@@ -456,6 +457,18 @@ def train_and_save(trainer, training_args) -> None:
     resume = training_args.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=True if resume in ("true", "True", "last") else resume)
     trainer.save_model(training_args.output_dir)
+
+
+def seed_run(training_args) -> None:
+    """Seed every RNG from ``--seed`` (``--full_determinism`` too) before a recipe builds its models: a head or
+    adapter created at load time (a PRM's classifier, a critic's value head, LoRA weights) is then the same in every
+    run with that seed, with 1 or N processes; unseeded, torch starts each process from a random seed."""
+    from transformers.trainer_utils import enable_full_determinism, set_seed
+
+    if getattr(training_args, "full_determinism", False):
+        enable_full_determinism(training_args.seed)
+    else:
+        set_seed(training_args.seed)
 
 
 def processes_text(trainer) -> str:
