@@ -37,6 +37,7 @@ from ...losses.weights import ORIGINAL_INDICATOR_THRESHOLD, sigma_weights
 from ...ops import kl_estimate, masked_sum
 from ...rewards import log_target_weight
 from ...rollout.data import left_padded
+from ...rollout.fsdp import call_as_root_forward
 from ...rollout.generator import (
     ReferencePolicy,
     Rollout,
@@ -167,11 +168,6 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
                 "order='p_then_q' and q_steps_per_p_step > 1 step one model inside a training step, which the "
                 "DeepSpeed engine cannot do; use order='q_then_p' with q_steps_per_p_step=1 under DeepSpeed."
             )
-        self._params = {
-            name: [p for p in module.parameters() if p.requires_grad]
-            for name, module in (("policy", policy), ("proposal", proposal))
-            if module is not None
-        }
         self._sampling = self._sampling_settings(args)
         reward = RolloutReward(self.reward_model, self.tokenizer, uses_images=args.reward_uses_images)
         self._generators = {"policy": self._generator(reward, self.reference)}
@@ -378,11 +374,20 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         kwargs = {"scale_wrt_gas": False} if self.is_deepspeed_enabled else {}
         self.accelerator.backward(loss, **kwargs)
 
+    def _trained_params(self) -> dict[str, list[nn.Parameter]]:
+        """``{"policy": [...], "proposal": [...]}``: the trainable parameters of each model as the trained module
+        holds them *now* (FSDP2 replaces the parameters by sharded ones when the model is prepared, so a list taken
+        at construction would name stale tensors)."""
+        wrapper = self._wrapper
+        modules = (("policy", wrapper.policy), ("proposal", wrapper.proposal))
+        return {name: [p for p in m.parameters() if p.requires_grad] for name, m in modules if m is not None}
+
     def _step_only(self, part: str) -> None:
         """Clip (``max_grad_norm``) and step the parameters of one model; the other model's gradients are set
         aside meanwhile and this model's are cleared afterwards."""
-        params = self._params[part]
-        others = [p for name, ps in self._params.items() if name != part for p in ps]
+        trained = self._trained_params()
+        params = trained[part]
+        others = [p for name, ps in trained.items() if name != part for p in ps]
         stashed = [(p, p.grad) for p in others if p.grad is not None]
         for p, _ in stashed:
             p.grad = None
@@ -403,8 +408,8 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         """``log p_θ`` of the current policy on ``rollout``'s samples, no gradient, eval mode (chunked)."""
         policy = self.policy
         with eval_mode(policy):
-            with self.accelerator.autocast():
-                return self._logprobs_of(policy, rollout)
+            with self.accelerator.autocast():  # below an FSDP2 root: run as its forward (`rollout/fsdp.py`)
+                return call_as_root_forward(self._wrapper, self._logprobs_of, policy, rollout)
 
     def _logprobs_of(self, model: nn.Module, rollout: Rollout) -> torch.Tensor:
         return rollout_logprobs(model, rollout, self.args.local_rollout_forward_batch_size, self.args.temperature)
@@ -439,8 +444,9 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         """``N`` negatives per prompt by twisted SMC towards σ, the proposal as twist (`smc_negatives`)."""
         args, sampling = self.args, self._sampling
         generator = self._generators["proposal"]
-        return smc_negatives(
-            self.policy, self.proposal, args.parameterization, generator.reward, self._target_log_phi,
+        return call_as_root_forward(
+            self._wrapper, smc_negatives, self.policy, self.proposal, args.parameterization, generator.reward,
+            self._target_log_phi,
             prompt_ids, prompt_mask, num_particles=args.num_samples_per_prompt,
             max_new_tokens=sampling.max_new_tokens, stop_token_ids=list(sampling.stop_token_ids or []),
             pad_token_id=sampling.pad_token_id, resampling=args.smc_resampling, ess_threshold=args.smc_ess_threshold,
@@ -491,7 +497,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
     def _reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
         """``log p_0`` on ``rollout``'s samples (for the proposal samples' returns of ``neg_reinforce``)."""
         with self.reference.module(self.policy) as reference, self.accelerator.autocast():
-            return self._logprobs_of(reference, rollout)
+            return call_as_root_forward(self._wrapper, self._logprobs_of, reference, rollout)
 
     def compute_proposal_loss(self, model: nn.Module, rollout: Rollout, log_phi: torch.Tensor) -> TwistLossOutput:
         """The proposal's twist loss (``proposal_loss_type``, ``parameterization``) on its own samples, towards

@@ -35,6 +35,7 @@ from ...models.modulated import ModulatedCausalLM
 from ...models.modulated_utils import load_modulation_state_dict
 from ...models.twist import MODULATION_PARAMETERIZATIONS, modulation_kind_of
 from ...rollout.data import left_padded
+from ...rollout.fsdp import call_as_root_forward
 from ...rollout.generator import ReferencePolicy, Rollout, RolloutReward, generate_responses, supports_logits_to_keep
 from ..common import checkpoint as ckpt
 from ..common.checks import refuse_same_object
@@ -296,9 +297,10 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
         unwrapped = self.accelerator.unwrap_model(model)
         with self.reference.module(unwrapped) as reference:
             keys = self.rollout_row_keys(prompt_ids.shape[0], self._micro_step or 0, stream=1)  # seed_per_row
-            responses, response_mask, _ = generate_responses(
-                reference, ids, mask, self._sampling, self.args.local_rollout_forward_batch_size, row_keys=keys
-            )
+            responses, response_mask, _ = call_as_root_forward(  # under FSDP2, as the root's forward
+                unwrapped, generate_responses, reference, ids, mask, self._sampling,
+                self.args.local_rollout_forward_batch_size, row_keys=keys,
+            )  # fmt: skip
         self._metrics.add("timing/reference_generation", time.perf_counter() - start)
         return {
             "input_ids": torch.cat([ids, responses], 1),
