@@ -35,6 +35,8 @@ class HarmlessnessTrainerIO:
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # Checkpoints keep the policy in HF format at the root and the proposal in proposal/ (see checkpoint.py);
         # optimizer (both groups), scheduler, RNG and trainer state are still restored by `Trainer`.
+        if self.is_fsdp_enabled:  # FSDP2's sharded weights: `Trainer` reloads its own full copy of the trained module
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
         wrapper = self.accelerator.unwrap_model(model if model is not None else self.model)
         ckpt.load_policy_and_proposal(wrapper.policy, wrapper.proposal, resume_from_checkpoint)
 

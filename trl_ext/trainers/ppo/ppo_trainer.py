@@ -246,6 +246,8 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         # `Trainer`'s loader expects one weight file for the module it trains; PPO checkpoints keep the policy in HF
         # format at the root and the critic in value_model/ (see `checkpoint.py`). Optimizer, scheduler, RNG and
         # trainer state are still restored by `Trainer`.
+        if self.is_fsdp_enabled:  # FSDP2's sharded weights: `Trainer` reloads its own full copy of the trained module
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
         wrapper = self.accelerator.unwrap_model(model if model is not None else self.model)
         ckpt.load_policy_and_value(wrapper.policy, wrapper.value_model, resume_from_checkpoint)
 

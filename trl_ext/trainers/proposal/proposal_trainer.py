@@ -227,6 +227,8 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # `Trainer`'s loader expects the full weights of the module it trains; a modulation checkpoint holds only the
         # modulation, and transformers renames some keys on load. Optimizer, scheduler, RNG and state are Trainer's.
+        if self.is_fsdp_enabled:  # FSDP2's sharded weights: `Trainer` reloads its own full copy of the trained module
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
         q = self.accelerator.unwrap_model(model if model is not None else self.model)
         if isinstance(q, ModulatedCausalLM):
             result = q.load_state_dict(load_modulation_state_dict(resume_from_checkpoint, {}), strict=False)
