@@ -38,6 +38,7 @@ from ..ops.logprobs import DEFAULT_CHUNK_SIZE, logprobs_from_logits
 from ..ops.sequences import position_ids_from_attention_mask, truncate_after_stop_token
 from ..utils import eval_mode
 from .finite import screen_rewards
+from .fsdp import call_as_root_forward, is_fsdp_sharded
 from .reference import ReferencePolicy
 from .reward import RolloutReward
 from .sampling import SampleAndRecord
@@ -173,11 +174,12 @@ class SamplingSettings:
             **kwargs, eos_token_id=stop, pad_token_id=self.pad_token_id, bos_token_id=None, repetition_penalty=1.0
         )
 
-    def sampler(self) -> SampleAndRecord | None:
-        """A fresh :class:`~trl_ext.rollout.sampling.SampleAndRecord` for one ``generate`` call (``None``: greedy)."""
+    def sampler(self, row_keys: torch.Tensor | None = None) -> SampleAndRecord | None:
+        """A fresh :class:`~trl_ext.rollout.sampling.SampleAndRecord` for one ``generate`` call (``None``: greedy);
+        ``row_keys``: the rows' random-stream keys (:func:`~trl_ext.rollout.sampling.row_keys`), else torch's RNG."""
         if not self.do_sample:
             return None
-        return SampleAndRecord(self.temperature, self.top_k, self.top_p)
+        return SampleAndRecord(self.temperature, self.top_k, self.top_p, row_keys=row_keys)
 
 
 def _generation_module(model: nn.Module) -> nn.Module:
@@ -226,6 +228,7 @@ def generate_responses(
     *,
     return_logprobs: bool = False,
     vision: VisionInputs | None = None,
+    row_keys: torch.Tensor | None = None,
 ):
     """Sample one response per row of the left-padded prompts with ``model.generate``, ``batch_size`` rows at a time.
 
@@ -234,21 +237,25 @@ def generate_responses(
     ``T ≤ max_new_tokens`` is the longest response. With ``return_logprobs`` a fourth item follows: the ``(B, T)``
     fp32 sampling-time log-probs ``log_softmax(logits / temperature)`` of the response tokens, zero where the mask is
     zero (``None`` when sampling greedily). The model is put in eval mode meanwhile. ``vision``: the rows' image
-    inputs (vision-language models).
+    inputs (vision-language models). ``row_keys``: ``(B,)`` keys of the rows' own random streams
+    (:func:`~trl_ext.rollout.sampling.row_keys`); a row's response then does not depend on its batch.
     """
     config = settings.generation_config()
     chunks, logprob_chunks = [], []
+    # FSDP2: every step all-gathers weights, so every process keeps stepping until all are done.
+    synced = {"synced_gpus": True} if is_fsdp_sharded(model) and _world_size() > 1 else {}
     with eval_mode(model), _generation_config(model, config):
         for start in range(0, prompt_ids.shape[0], batch_size):
             ids, mask = prompt_ids[start : start + batch_size], prompt_mask[start : start + batch_size]
-            sampler = settings.sampler()
+            sampler = settings.sampler(None if row_keys is None else row_keys[start : start + batch_size])
             extra, banned = generation_inputs(
                 None if vision is None else vision[start : start + batch_size], ids, sampler
             )
             processors = LogitsProcessorList(([sampler] if sampler is not None else []) + banned)
             out = model.generate(
-                input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=processors, **extra
-            )
+                input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=processors, **extra,
+                **synced,
+            )  # fmt: skip
             chunks.append(out[:, ids.shape[1] :])
             if sampler is not None:
                 logprob_chunks.append(sampler.logprobs()[:, : chunks[-1].shape[1]])
@@ -270,6 +277,11 @@ def generate_responses(
     if logprobs is not None:
         logprobs = torch.where(mask != 0, logprobs, torch.zeros_like(logprobs))
     return responses, mask, contains_stop, logprobs
+
+
+def _world_size() -> int:
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return torch.distributed.get_world_size() if distributed else 1
 
 
 # ------------------------------------------------------------------------------------------------ scoring
@@ -468,20 +480,26 @@ class RolloutGenerator:
         :class:`~trl_ext.trainers.ppo.policy_value.PolicyAndValueModel`, which then skips the policy when the critic is
         a separate model), else through :func:`forward_response`."""
         critic_values = getattr(self._unwrapped(model), "critic_values", None)
-        if critic_values is not None:
-            return critic_values(ids, mask, T, vision=vision)
+        if critic_values is not None:  # below the root module: under FSDP2, run as its forward
+            return call_as_root_forward(self._unwrapped(model), critic_values, ids, mask, T, vision=vision)
         out = forward_response(
             model, ids, mask, T, temperature=self.settings.temperature, return_values=True, vision=vision
         )
         return out.values
 
     def __call__(
-        self, model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, vision: VisionInputs | None = None
+        self,
+        model: nn.Module,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        vision: VisionInputs | None = None,
+        row_keys: torch.Tensor | None = None,
     ) -> Rollout:
         """Sample and score responses for left-padded ``prompt_ids``/``prompt_mask`` ``(B_p, P)``.
 
-        ``model`` is the trainable module as the trainer holds it (possibly DDP/DeepSpeed-wrapped); its forward
+        ``model`` is the trainable module as the trainer holds it (possibly DDP/DeepSpeed/FSDP-wrapped); its forward
         gives the policy's logits (and ``value`` with ``with_values``). ``vision``: the prompts' image inputs.
+        ``row_keys``: ``(B_p · N,)`` keys of the sampled rows' random streams (see :func:`generate_responses`).
         """
         n = self.settings.num_samples_per_prompt
         prompt_ids = prompt_ids.repeat_interleave(n, dim=0)
@@ -497,9 +515,9 @@ class RolloutGenerator:
             sampled_logprobs = None
         else:
             with self.generation_model(model) as policy:
-                responses, response_mask, contains_stop, sampled_logprobs = generate_responses(
-                    policy, prompt_ids, prompt_mask, self.settings, self.forward_batch_size, return_logprobs=True,
-                    vision=vision,
+                responses, response_mask, contains_stop, sampled_logprobs = call_as_root_forward(
+                    self._unwrapped(model), generate_responses, policy, prompt_ids, prompt_mask, self.settings,
+                    self.forward_batch_size, return_logprobs=True, vision=vision, row_keys=row_keys,
                 )  # fmt: skip
                 if not (self.logprobs_from_generation and self._full_precision(policy)):
                     sampled_logprobs = None
@@ -532,10 +550,11 @@ class RolloutGenerator:
                         if out.values is not None:
                             parts["values"].append(out.values)
                 with self.reference.module(self.policy_of(self._unwrapped(model))) as reference:
-                    for rows in chunks:
-                        ref = forward_response(
-                            reference, ids[rows], mask[rows], T, temperature=self.settings.temperature,
-                            chunk_size=self.chunk_size, vision=rows_vision(rows),
+                    for rows in chunks:  # a PEFT reference is the policy, below an FSDP2 root: run as its forward
+                        ref = call_as_root_forward(
+                            self._unwrapped(model), forward_response, reference, ids[rows], mask[rows], T,
+                            temperature=self.settings.temperature, chunk_size=self.chunk_size,
+                            vision=rows_vision(rows),
                         )  # fmt: skip
                         parts["ref_logprobs"].append(ref.logprobs)
                 with getattr(self.reward, "placed", contextlib.nullcontext)():

@@ -39,7 +39,9 @@ from ...rollout.data import (
     prepare_prompt_dataset,
     tokenizer_of,
 )
+from ...rollout.fsdp import call_as_root_forward
 from ...rollout.generator import ReferencePolicy, RolloutGenerator, RolloutReward, SamplingSettings, generate_responses
+from ...rollout.sampling import row_keys
 from ...rollout.vision import (
     VisionPromptCollator,
     check_dataset_images,
@@ -49,6 +51,7 @@ from ...rollout.vision import (
 )
 from . import checkpoint as ckpt
 from .checks import check_not_empty, check_prompts_fit_context, load_model_argument
+from .distributed import CpuFsdpMixin
 from .ema import EMA, EMACallback, load_ema, save_ema
 from .finite import FiniteStepsMixin
 from .kl_control import build_kl_controller
@@ -61,6 +64,9 @@ from .vllm_setup import build_vllm_engine
 __all__ = ["OnlineTrainerMixin", "evaluates_with_ema", "forked_rng", "hub_push_errors"]
 
 logger = logging.getLogger(__name__)
+
+EVAL_STREAM = 1000
+"""The sample stream of evaluation rollouts with ``seed_per_row`` (training uses small stream numbers)."""
 
 
 @contextlib.contextmanager
@@ -114,7 +120,7 @@ def hub_push_errors(trainer, creating: bool = False) -> Iterator[None]:
         ) from err
 
 
-class OnlineTrainerMixin(FiniteStepsMixin, CompleteModelCard, VerifiedResumeMixin, abc.ABC):
+class OnlineTrainerMixin(FiniteStepsMixin, CompleteModelCard, VerifiedResumeMixin, CpuFsdpMixin, abc.ABC):
     """Setup, data, resume and save steps shared by the online trainers (see the module docs)."""
 
     _config_class: type = object
@@ -317,6 +323,48 @@ class OnlineTrainerMixin(FiniteStepsMixin, CompleteModelCard, VerifiedResumeMixi
             gradient_checkpointing_kwargs=args.activation_checkpointing_kwargs,
             nonfinite_rewards=args.nonfinite_rewards, engine=getattr(self, "_vllm", None), **kwargs,
         )  # fmt: skip
+
+    def _sum_over_processes(self):
+        """A function that sums a tensor over the processes (for statistics of every process's rows, e.g.
+        `masked_whiten(..., reduce=)`); ``None`` with one process."""
+        if self.accelerator.num_processes == 1:
+            return None
+        return lambda tensor: self.accelerator.reduce(tensor, reduction="sum")
+
+    def _gather_object(self):
+        """`accelerate.utils.gather_object` with several processes (metrics of every process), else ``None``."""
+        if self.accelerator.num_processes == 1:
+            return None
+        from accelerate.utils import gather_object
+
+        return gather_object
+
+    def rollout_row_keys(self, num_prompts: int, rollout: int, stream: int = 0) -> torch.Tensor | None:
+        """With ``seed_per_row``: the ``(num_prompts · N,)`` random-stream keys of this process's rows in rollout
+        number ``rollout`` (counted over the run, the same on every process) of sample stream ``stream`` (e.g. 0 for
+        the policy's samples, 1 for the proposal's), keyed by the rows' *global* index ``(process_index · num_prompts
+        + prompt) · N + sample`` (:func:`~trl_ext.rollout.sampling.row_keys`); ``None`` without it (each process
+        samples from its own RNG)."""
+        if not getattr(self.args, "seed_per_row", False):
+            return None
+        override = self.__dict__.get("_row_key_override")
+        if override is not None:  # inside `evaluation_row_keys`
+            stream, rollout = override
+        rows = num_prompts * self.args.num_samples_per_prompt
+        first = self.accelerator.process_index * rows
+        return row_keys(self.args.seed, stream, rollout, torch.arange(first, first + rows))
+
+    @contextlib.contextmanager
+    def evaluation_row_keys(self, batch: int) -> Iterator[None]:
+        """With ``seed_per_row``, the rollouts of the block (eval batch number ``batch`` of this process) sample from
+        streams of their own (stream ``EVAL_STREAM``, rollout ``batch``), so that eval batches never share the
+        training rollouts' streams or each other's."""
+        saved = self.__dict__.get("_row_key_override")
+        self._row_key_override = (EVAL_STREAM, batch)
+        try:
+            yield
+        finally:
+            self._row_key_override = saved
 
     # ------------------------------------------------------------------------------------- Trainer plumbing
     def _prompt_dataloader(self, prompts_per_process: int, repeat: int = 1) -> DataLoader:
@@ -543,9 +591,10 @@ class OnlineTrainerMixin(FiniteStepsMixin, CompleteModelCard, VerifiedResumeMixi
         reward: rows ``{"query", column, "score"}``. ``vision``: the prompts' image inputs."""
         generator = self.rollout_generator
         with generator.generation_model(self.model_wrapped) as policy:
-            responses, response_mask, _ = generate_responses(
-                policy, ids, mask, settings, self.args.local_rollout_forward_batch_size, vision=vision
-            )
+            responses, response_mask, _ = call_as_root_forward(
+                self.accelerator.unwrap_model(self.model), generate_responses, policy, ids, mask, settings,
+                self.args.local_rollout_forward_batch_size, vision=vision,
+            )  # fmt: skip
         scores = generator.reward(ids, mask, responses, response_mask, vision)
         prompts = self.tokenizer.batch_decode([r[m != 0] for r, m in zip(ids, mask)], skip_special_tokens=True)
         texts = self.tokenizer.batch_decode([r[m != 0] for r, m in zip(responses, response_mask)])

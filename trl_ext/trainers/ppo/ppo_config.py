@@ -80,6 +80,10 @@ class PPOConfig(VLLMConfigMixin, PtxConfigMixin, OnlineConfig):
         ds3_gather_for_generation (`bool`, *optional*, defaults to `True`):
             Under DeepSpeed ZeRO-3, gather the policy weights once per generation call (fast); `False` generates with
             sharded weights (slow, but fits models larger than one GPU).
+        seed_per_row (`bool`, *optional*, defaults to `False`):
+            Draw each sampled token from a random stream keyed by (seed, rollout, global row, position) instead of
+            each process's own RNG: N processes then sample exactly what one process with an N× larger per-device
+            batch samples.
 
         > Parameters that control the rewards
 
