@@ -59,6 +59,11 @@ class OnlineConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
             Rows per generation call and per no-grad scoring pass.
         ds3_gather_for_generation (`bool`, *optional*, defaults to `True`):
             Under DeepSpeed ZeRO-3, gather the weights once per generation call.
+        shared_prefix_rollouts (`bool`, *optional*, defaults to `True`):
+            With `num_samples_per_prompt > 1`, run each distinct prompt once and fan its key/value cache out to its
+            samples: in generation (the same logits, hence the same samples for a given seed) and, for fp32 models,
+            in the reference, separate-critic and reward-model scoring passes (the same numbers up to rounding).
+            `False`: every sample's prompt is run again.
 
         > Parameters that control the rewards
 
@@ -168,6 +173,15 @@ class OnlineConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
             "help": "This setting applies to DeepSpeed ZeRO-3. If enabled, the policy model weights are gathered for "
             "generation, improving generation speed. However, disabling this option allows training models that "
             "exceed the VRAM capacity of a single GPU, albeit at the cost of slower generation."
+        },
+    )
+    shared_prefix_rollouts: bool = field(
+        default=True,
+        metadata={
+            "help": "With num_samples_per_prompt > 1, run each distinct prompt once and fan its key/value cache out "
+            "to its samples: in generation (same logits, same samples for a given seed) and, for fp32 models, in the "
+            "reference, separate-critic and reward-model scoring passes (same numbers up to rounding). False: every "
+            "sample's prompt is run again."
         },
     )
 

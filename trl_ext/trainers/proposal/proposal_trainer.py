@@ -296,8 +296,9 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
         unwrapped = self.accelerator.unwrap_model(model)
         with self.reference.module(unwrapped) as reference:
             responses, response_mask, _ = generate_responses(
-                reference, ids, mask, self._sampling, self.args.local_rollout_forward_batch_size
-            )
+                reference, ids, mask, self._sampling, self.args.local_rollout_forward_batch_size,
+                share_prompts=self.args.shared_prefix_rollouts,
+            )  # fmt: skip
         self._metrics.add("timing/reference_generation", time.perf_counter() - start)
         return {
             "input_ids": torch.cat([ids, responses], 1),
