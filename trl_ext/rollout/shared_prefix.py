@@ -98,9 +98,11 @@ def prefill_prompts(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: tor
     module = _prefill_module(model)
     if distinct is None or module is None:
         return None
+    from .generator import supports_logits_to_keep  # (generator imports this module)
+
     ids, mask, inverse = distinct
     ids, mask = ids[:, :-1], mask[:, :-1]
-    keep = {"logits_to_keep": 1} if _takes(module, "logits_to_keep") else {}
+    keep = {"logits_to_keep": 1} if supports_logits_to_keep(module) else {}
     _, cache = _cached_forward(module, ids, mask, position_ids_from_attention_mask(mask), **keep)
     if cache is None:
         return None
@@ -143,10 +145,11 @@ def shared_prompt_logprobs(
     response`` — with each distinct prompt run once; ``None`` when nothing is shared.
 
     Token ``t`` is predicted by the logits of the position before it: the last prompt position (from the prompt
-    pass, ``logits_to_keep=1``) for ``t = 0``, response position ``t − 1`` otherwise."""
-    if not _takes(model, "logits_to_keep") and not is_peft_model(model):
-        return None
-    shared = _prompt_then_responses(model, prompt_ids, prompt_mask, response_ids, response_mask, logits_to_keep=1)
+    pass, ``logits_to_keep=1`` where the model takes it) for ``t = 0``, response position ``t − 1`` otherwise."""
+    from .generator import supports_logits_to_keep  # (generator imports this module)
+
+    keep = {"logits_to_keep": 1} if supports_logits_to_keep(model) else {}
+    shared = _prompt_then_responses(model, prompt_ids, prompt_mask, response_ids, response_mask, **keep)
     if shared is None:
         return None
     prompt_out, response_out, inverse = shared
