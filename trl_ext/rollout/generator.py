@@ -7,13 +7,16 @@ One rollout, for a batch of left-padded prompts:
 2. sample responses with the policy's own ``generate`` (plain, value-head, PEFT and modulated policies all have one)
    under `trl.models.unwrap_model_for_generation`, with exactly the sampling settings given (the model's saved
    generation config is swapped out meanwhile, so none of its defaults, e.g. ``top_k=50``, leak in); tokens are
-   drawn by :class:`~trl_ext.rollout.sampling.SampleAndRecord`, which also records their log-probs;
+   drawn by :class:`~trl_ext.rollout.sampling.SampleAndRecord`, which also records their log-probs; with
+   ``shared_prefix`` each distinct prompt is prefilled once and its KV cache fanned out to its ``N`` samples
+   (:mod:`.shared_prefix`: same logits, same draws);
 3. cut each response after its first stop token (pad after it; the stop token itself is part of the response);
 4. score ``prompt + response`` in chunks of ``forward_batch_size`` rows, with no gradient and in eval mode:
    the policy's log-probs at the *sampling temperature* (recorded during sampling in fp32; otherwise from
    :func:`forward_response`, the function the trainers use for their loss — both agree with the training-time
    log-probs to ~1e-6), the reference's log-probs (:class:`ReferencePolicy`), the values (when the model has a
-   critic) and the scores (:class:`RolloutReward`);
+   critic) and the scores (:class:`RolloutReward`); with ``shared_prefix``, in fp32, the reference, a separate
+   critic and a reward model run each distinct prompt once and its responses on its cache (:mod:`.shared_prefix`);
 5. subtract ``missing_eos_penalty`` from the scores of responses without a stop token;
 6. screen the scores for NaN / ±inf (``nonfinite_rewards``: raise, or drop those samples; :mod:`.finite`).
 
@@ -42,6 +45,7 @@ from .fsdp import call_as_root_forward, is_fsdp_sharded
 from .reference import ReferencePolicy
 from .reward import RolloutReward
 from .sampling import SampleAndRecord
+from .shared_prefix import prefill_prompts, shared_prompt_logprobs, shared_prompt_values
 from .vision import VisionInputs, add_vision_inputs, generation_inputs
 
 __all__ = [
@@ -229,6 +233,7 @@ def generate_responses(
     return_logprobs: bool = False,
     vision: VisionInputs | None = None,
     row_keys: torch.Tensor | None = None,
+    share_prompts: bool = False,
 ):
     """Sample one response per row of the left-padded prompts with ``model.generate``, ``batch_size`` rows at a time.
 
@@ -239,6 +244,9 @@ def generate_responses(
     zero (``None`` when sampling greedily). The model is put in eval mode meanwhile. ``vision``: the rows' image
     inputs (vision-language models). ``row_keys``: ``(B,)`` keys of the rows' own random streams
     (:func:`~trl_ext.rollout.sampling.row_keys`); a row's response then does not depend on its batch.
+    ``share_prompts``: prefill each distinct prompt of a ``generate`` call once and
+    copy its KV cache to its rows (:func:`~trl_ext.rollout.shared_prefix.prefill_prompts`; text only): the same
+    logits and, for a given seed, the same tokens as without.
     """
     config = settings.generation_config()
     chunks, logprob_chunks = [], []
@@ -252,6 +260,9 @@ def generate_responses(
                 None if vision is None else vision[start : start + batch_size], ids, sampler
             )
             processors = LogitsProcessorList(([sampler] if sampler is not None else []) + banned)
+            cache = prefill_prompts(model, ids, mask) if share_prompts and vision is None else None
+            if cache is not None:
+                extra["past_key_values"] = cache
             out = model.generate(
                 input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=processors, **extra,
                 **synced,
@@ -419,6 +430,11 @@ class RolloutGenerator:
             (:func:`~trl_ext.rollout.finite.screen_rewards`).
         engine: a :class:`~trl_ext.rollout.vllm.VLLMRolloutEngine` that samples instead of ``generate`` (the policy's
             log-probs then come from a forward pass; the engine's are kept in ``Rollout.engine_logprobs``).
+        shared_prefix: with ``num_samples_per_prompt > 1``, run each distinct prompt once and fan its KV cache out
+            to its samples (:mod:`~trl_ext.rollout.shared_prefix`): in ``generate`` always (same logits, same draws),
+            in the reference / separate-critic / reward-model passes when that model computes in fp32 without mixed
+            precision (in 16-bit they run the rows whole, as the policy's log-probs do, so that old and new values
+            and a policy equal to its reference agree as before). Text rows only.
     """
 
     def __init__(
@@ -437,6 +453,7 @@ class RolloutGenerator:
         logprobs_from_generation: bool = True,
         nonfinite_rewards: str = "error",
         engine=None,
+        shared_prefix: bool = True,
     ):
         self.engine = engine
         self.settings, self.reward, self.reference = settings, reward, reference
@@ -445,6 +462,7 @@ class RolloutGenerator:
         self.missing_eos_penalty, self.policy_of, self.with_values = missing_eos_penalty, policy_of, with_values
         self.gather_deepspeed3_params = gather_deepspeed3_params
         self.gradient_checkpointing_kwargs, self.chunk_size = gradient_checkpointing_kwargs, chunk_size
+        self.shared_prefix = shared_prefix
 
     def _unwrapped(self, model: nn.Module) -> nn.Module:
         return self.accelerator.unwrap_model(model) if self.accelerator is not None else model
@@ -475,10 +493,17 @@ class RolloutGenerator:
         param = next(policy.parameters(), None)
         return param is None or param.dtype == torch.float32
 
-    def _values(self, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, T: int, vision=None) -> torch.Tensor:
+    def _values(self, model: nn.Module, ids, mask, T: int, vision=None, share: bool = False) -> torch.Tensor:
         """Critic values without the policy's log-probs: through ``critic_values`` when the module has it (e.g.
         :class:`~trl_ext.trainers.ppo.policy_value.PolicyAndValueModel`, which then skips the policy when the critic is
-        a separate model), else through :func:`forward_response`."""
+        a separate model), else through :func:`forward_response`. ``share``: a separate fp32 critic (``value_model``)
+        runs each distinct prompt once."""
+        critic = getattr(self._unwrapped(model), "value_model", None) if share else None
+        if critic is not None and self._full_precision(critic):
+            P = ids.shape[1] - T
+            values = shared_prompt_values(critic, ids[:, :P], mask[:, :P], ids[:, P:], mask[:, P:])
+            if values is not None:
+                return values
         critic_values = getattr(self._unwrapped(model), "critic_values", None)
         if critic_values is not None:  # below the root module: under FSDP2, run as its forward
             return call_as_root_forward(self._unwrapped(model), critic_values, ids, mask, T, vision=vision)
@@ -502,6 +527,8 @@ class RolloutGenerator:
         ``row_keys``: ``(B_p · N,)`` keys of the sampled rows' random streams (see :func:`generate_responses`).
         """
         n = self.settings.num_samples_per_prompt
+        # FSDP2: submodules run only as the root's forward, so every pass keeps its whole rows there
+        share = self.shared_prefix and n > 1 and vision is None and not is_fsdp_sharded(self._unwrapped(model))
         prompt_ids = prompt_ids.repeat_interleave(n, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
         vision = vision.repeat_interleave(n) if vision is not None else None
@@ -518,6 +545,7 @@ class RolloutGenerator:
                 responses, response_mask, contains_stop, sampled_logprobs = call_as_root_forward(
                     self._unwrapped(model), generate_responses, policy, prompt_ids, prompt_mask, self.settings,
                     self.forward_batch_size, return_logprobs=True, vision=vision, row_keys=row_keys,
+                    share_prompts=share,
                 )  # fmt: skip
                 if not (self.logprobs_from_generation and self._full_precision(policy)):
                     sampled_logprobs = None
@@ -540,7 +568,8 @@ class RolloutGenerator:
                     if sampled_logprobs is not None:
                         parts["logprobs"].append(sampled_logprobs[rows])
                         if self.with_values:
-                            parts["values"].append(self._values(model, ids[rows], mask[rows], T, rows_vision(rows)))
+                            values = self._values(model, ids[rows], mask[rows], T, rows_vision(rows), share)
+                            parts["values"].append(values)
                     else:
                         out = forward_response(
                             model, ids[rows], mask[rows], T, temperature=self.settings.temperature,
@@ -550,17 +579,26 @@ class RolloutGenerator:
                         if out.values is not None:
                             parts["values"].append(out.values)
                 with self.reference.module(self.policy_of(self._unwrapped(model))) as reference:
-                    for rows in chunks:  # a PEFT reference is the policy, below an FSDP2 root: run as its forward
-                        ref = call_as_root_forward(
-                            self._unwrapped(model), forward_response, reference, ids[rows], mask[rows], T,
+                    share_ref = share and self._full_precision(reference)
+                    for rows in chunks:
+                        ref = shared_prompt_logprobs(
+                            reference, prompt_ids[rows], prompt_mask[rows], responses[rows], response_mask[rows],
                             temperature=self.settings.temperature, chunk_size=self.chunk_size,
-                            vision=rows_vision(rows),
-                        )  # fmt: skip
-                        parts["ref_logprobs"].append(ref.logprobs)
+                        ) if share_ref else None  # fmt: skip
+                        if ref is None:  # a PEFT reference is the policy, below an FSDP2 root: run as its forward
+                            ref = call_as_root_forward(
+                                self._unwrapped(model), forward_response, reference, ids[rows], mask[rows], T,
+                                temperature=self.settings.temperature, chunk_size=self.chunk_size,
+                                vision=rows_vision(rows),
+                            ).logprobs  # fmt: skip
+                        parts["ref_logprobs"].append(ref)
+                reward_model = getattr(self.reward, "model", None)
+                share_reward = share and isinstance(self.reward, RolloutReward) and reward_model is not None
+                share_reward = {"share_prompts": True} if share_reward and self._full_precision(reward_model) else {}
                 with getattr(self.reward, "placed", contextlib.nullcontext)():
                     for rows in chunks:
                         batch = (prompt_ids[rows], prompt_mask[rows], responses[rows], response_mask[rows])
-                        parts["scores"].append(self.reward(*batch, rows_vision(rows)))
+                        parts["scores"].append(self.reward(*batch, rows_vision(rows), **share_reward))
         scores = torch.cat(parts["scores"])
         if self.missing_eos_penalty is not None:
             scores = torch.where(contains_stop, scores, scores - self.missing_eos_penalty)

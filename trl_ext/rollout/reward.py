@@ -10,6 +10,7 @@ from ..models.offload import on_device
 from ..models.reward import get_sequence_scores
 from ..models.reward_functions import RewardFunction, as_reward_function
 from ..utils import eval_mode
+from .shared_prefix import shared_prompt_scores
 from .vision import reward_images
 
 __all__ = ["RolloutReward"]
@@ -56,16 +57,24 @@ class RolloutReward:
         return on_device(self.model, self.offload_device, enabled=self.model is not None)
 
     @torch.no_grad()
-    def __call__(self, prompt_ids, prompt_mask, response_ids, response_mask, vision=None) -> torch.Tensor:
+    def __call__(
+        self, prompt_ids, prompt_mask, response_ids, response_mask, vision=None, share_prompts: bool = False
+    ) -> torch.Tensor:
+        """``(B,)`` fp32 scores of the ``prompt + response`` rows. ``share_prompts``: a reward model runs each distinct
+        prompt once and its responses on the prompt's cache (:func:`~trl_ext.rollout.shared_prefix.
+        shared_prompt_scores`; the same scores up to rounding)."""
         device = prompt_ids.device
         if self.model is not None:
             with self.placed():
                 param = next(self.model.parameters(), None)
                 target = param.device if param is not None else device
-                ids = torch.cat([prompt_ids, response_ids], 1).to(target)
-                mask = torch.cat([prompt_mask, response_mask], 1).to(target)
+                rows = [t.to(target) for t in (prompt_ids, prompt_mask, response_ids, response_mask)]
                 with eval_mode(self.model):
-                    return get_sequence_scores(self.model, ids, mask).float().to(device)
+                    scores = shared_prompt_scores(self.model, *rows) if share_prompts else None
+                    if scores is None:
+                        ids, mask = torch.cat(rows[0::2], 1), torch.cat(rows[1::2], 1)
+                        scores = get_sequence_scores(self.model, ids, mask)
+                    return scores.float().to(device)
         kwargs = {"images": reward_images(vision)} if self.uses_images else {}
         ids_and_masks = (prompt_ids, response_ids, self.tokenizer, prompt_mask, response_mask)
         scores = self.function.score_token_ids(*ids_and_masks, **kwargs)

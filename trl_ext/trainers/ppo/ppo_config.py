@@ -84,6 +84,11 @@ class PPOConfig(VLLMConfigMixin, PtxConfigMixin, OnlineConfig):
             Draw each sampled token from a random stream keyed by (seed, rollout, global row, position) instead of
             each process's own RNG: N processes then sample exactly what one process with an N× larger per-device
             batch samples.
+        shared_prefix_rollouts (`bool`, *optional*, defaults to `True`):
+            With `num_samples_per_prompt > 1`, run each distinct prompt once and fan its key/value cache out to its
+            samples: in generation (the same logits, hence the same samples for a given seed) and, for fp32 models,
+            in the reference, separate-critic and reward-model scoring passes (the same numbers up to rounding).
+            `False`: every sample's prompt is run again.
 
         > Parameters that control the rewards
 

@@ -303,6 +303,7 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
             responses, response_mask, _ = call_as_root_forward(  # under FSDP2, as the root's forward
                 unwrapped, generate_responses, reference, ids, mask, self._sampling,
                 self.args.local_rollout_forward_batch_size, row_keys=keys,
+                share_prompts=self.args.shared_prefix_rollouts,
             )  # fmt: skip
         self._metrics.add("timing/reference_generation", time.perf_counter() - start)
         return {
