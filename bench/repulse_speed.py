@@ -3,6 +3,7 @@
     python bench/repulse_speed.py          # SmolLM2-135M-Instruct, 2 rounds x (1 warm-up + 4) updates per method
     python bench/repulse_speed.py --rounds 3 --updates 6 --threads 2
     python bench/repulse_speed.py --tiny   # the kit's tiny random Llama: checks the script in seconds
+    python bench/repulse_speed.py --no-shared-prefix   # every sample's prompt run again (shared_prefix_rollouts=False)
 
 Target: a RePULSe update takes at most 1.5x a REINFORCE update on the study's shape (RealToxicityPrompts prompts,
 20-token responses, SmolLM2-135M-Instruct), with the phase breakdown reported.
@@ -175,6 +176,7 @@ def run_method(name: str, base_model, tokenizer, reward, prompts: list[str], arg
         "bf16": False,
         "activation_checkpointing": False,
         "local_rollout_forward_batch_size": batch,
+        "shared_prefix_rollouts": not args.no_shared_prefix,
         **({"use_cpu": True} if not torch.cuda.is_available() else {}),
         **method_options(name, args),
     }
@@ -312,6 +314,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0, help="seed of every run (default 0)")
     p.add_argument("--chat-template", action="store_true", help="prompts as user messages (chat template)")
+    p.add_argument(
+        "--no-shared-prefix", action="store_true", help="shared_prefix_rollouts=False: every sample's prompt re-run"
+    )
     p.add_argument("--tiny", action="store_true", help="the kit's tiny random Llama and a few updates (seconds)")
     p.add_argument("--cache-dir", default=None, help="parent folder of the converted SmolLM2 (~/.cache/trl_ext)")
     p.add_argument("--output", default=None, help=f"JSON results (default {DEFAULT_OUTPUT}; tiny: {TINY_OUTPUT})")

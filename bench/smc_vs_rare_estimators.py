@@ -160,7 +160,7 @@ def train_twist(setting: dict, steps: int, samples: int, lr: float, cache_dir: P
 
 
 # ------------------------------------------------------------------------------------------------ the methods
-def run_method(method: str, setting: dict, budget: int, twist, particles: int, seed: int) -> dict:
+def run_method(method: str, setting: dict, budget: int, twist, particles: int, seed: int, mix: float = 0.0) -> dict:
     """One estimate of ``method`` at about ``budget`` row-forwards."""
     model, prompt, bad, stops = setting["model"], setting["prompt"], setting["bad"], setting["stops"]
     common = {"stop_token_ids": stops, "seed": seed}
@@ -182,8 +182,9 @@ def run_method(method: str, setting: dict, budget: int, twist, particles: int, s
         else:
             runs = max(2, budget // (2 * particles))
             source = LMTwist(twist, "modulation_linear_head") if method == "smc_twist" else None
-            est = estimate_bad_response("smc", model, prompt, bad, twist=source, num_runs=runs,
-                                        smc_config=SMCConfig(num_particles=particles), **common)  # fmt: skip
+            config = SMCConfig(num_particles=particles, proposal_mix=mix if source is not None else 0.0)
+            est = estimate_bad_response("smc", model, prompt, bad, twist=source, num_runs=runs, smc_config=config,
+                                        **common)  # fmt: skip
     return {
         "method": method,
         "budget": budget,
@@ -197,9 +198,11 @@ def run_method(method: str, setting: dict, budget: int, twist, particles: int, s
     }
 
 
-def bounds(setting: dict, target: ShortResponseTarget, twist, particles: int, runs: int, seed: int) -> dict:
+def bounds(
+    setting: dict, target: ShortResponseTarget, twist, particles: int, runs: int, seed: int, mix: float = 0.0
+) -> dict:
     source = LMTwist(twist, "modulation_linear_head")
-    config = SMCConfig(num_particles=particles, stop_token_ids=setting["stops"])
+    config = SMCConfig(num_particles=particles, stop_token_ids=setting["stops"], proposal_mix=mix)
     potential = TokenSetPotential(setting["bad"])
     from trl_ext.eval.rare import smc_estimate
 
@@ -323,21 +326,27 @@ def run_setting(setting: dict, args) -> dict:
     for budget in budgets:
         for method in args.methods:
             for seed in range(args.seed, args.seed + seeds):
-                r = run_method(method, setting, budget, twist, args.particles, seed)
+                r = run_method(method, setting, budget, twist, args.particles, seed, args.smc_proposal_mix)
                 r["seed"] = seed
                 runs.append(r)
                 print(f"[{setting['name']}] {method:12s} budget {budget:6d} seed {seed}: {r['estimate']:.4g} ± "
                       f"{r['std_error']:.2g} ({r['row_forwards']} rows, {r['seconds']:.1f} s)",
                       flush=True)  # fmt: skip
     b = bounds(
-        setting, target, twist, args.bound_particles, max(2, budgets[-1] // (2 * args.bound_particles)), args.seed
+        setting,
+        target,
+        twist,
+        args.bound_particles,
+        max(2, budgets[-1] // (2 * args.bound_particles)),
+        args.seed,
+        args.smc_proposal_mix,
     )
     print(f"[{setting['name']}] log P(bad) = {b['log_z']:.4f}: [{b['lower']:.4f}, {b['upper']:.4f}]")
     return {"describe": setting["describe"], "prompt_ids": setting["prompt"], "bad_token_ids": setting["bad"],
             "stop_token_ids": setting["stops"], "summary": summarise(runs, target.z),
             "exact": {"value": target.z, "log_value": target.log_z, "row_forwards": target.row_forwards,
                       "seconds": enum_seconds, "cached": cached},
-            "twist": cost, "runs": runs, "bounds": b}  # fmt: skip
+            "twist": cost, "smc_proposal_mix": args.smc_proposal_mix, "runs": runs, "bounds": b}  # fmt: skip
 
 
 def main() -> None:
@@ -355,6 +364,12 @@ def main() -> None:
     parser.add_argument("--twist_samples", type=int, default=64)
     parser.add_argument("--twist_lr", type=float, default=3e-3)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument(
+        "--smc_proposal_mix",
+        type=float,
+        default=0.0,
+        help="ε of the learned-twist SMC runs: draw from (1 − ε)·q + ε·p (SMCConfig.proposal_mix).",
+    )
     parser.add_argument("--particles", type=int, default=16, help="K of the SMC runs of the comparison.")
     parser.add_argument("--bound_particles", type=int, default=64, help="K of the runs of the two-sided bound.")
     parser.add_argument("--toy_seeds", type=int, default=3, help="Repetitions of every method and budget (toys).")

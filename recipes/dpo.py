@@ -80,6 +80,7 @@ def load_datasets(script_args: DPOScriptArguments, training_args: DPOConfig, pol
 
 def main(script_args: DPOScriptArguments, training_args: DPOConfig, model_args: ModelConfig) -> None:
     """Load the models and the data, train (or resume), save the final policy (pushed if asked)."""
+    cli.seed_run(training_args)  # before any model is built: fresh heads / adapters follow --seed
     tokenizer, policy, ref_model, peft_config = cli.load_preference_models(
         model_args, script_args.ref_model_name_or_path
     )

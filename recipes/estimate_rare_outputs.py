@@ -64,7 +64,7 @@ class RareOutputArguments:
         > Response mode (P(bad) of the model's own response)
 
         prompt, bad_words, max_new_tokens, stop_at_eos, twist_path, twist_parameterization, num_particles,
-        num_runs, resampling, ess_threshold
+        num_runs, resampling, ess_threshold, proposal_mix
 
         > Output
 
@@ -167,6 +167,10 @@ class RareOutputArguments:
     ess_threshold: float = field(
         default=0.5, metadata={"help": "smc: resample when the ESS falls below this fraction of the particles."}
     )
+    proposal_mix: float = field(
+        default=0.0,
+        metadata={"help": "smc: draw tokens from (1 - eps)*q + eps*p with this eps (a defensive mixture; 0: q)."},
+    )
     output_path: str | None = field(
         default=None, metadata={"help": "Where to write the JSON report (parent folders are created); default: none."}
     )
@@ -212,6 +216,8 @@ class RareOutputArguments:
             raise ValueError("--num_particles must be >= 1 and --num_runs >= 2 (a standard error needs two runs).")
         if not 0.0 <= self.ess_threshold <= 1.0:
             raise ValueError(f"--ess_threshold must be in [0, 1], got {self.ess_threshold}.")
+        if not 0.0 <= self.proposal_mix <= 1.0:
+            raise ValueError(f"--proposal_mix must be in [0, 1], got {self.proposal_mix}.")
 
 
 def load_model_and_tokenizer(args: RareOutputArguments):
@@ -260,7 +266,12 @@ def response_mode(args: RareOutputArguments, model, tokenizer) -> tuple[dict, ob
         raise ValueError(f"No single token of the tokenizer spells one of {words[:5]}...; choose other --bad_words.")
     prompt = prompt_token_ids(tokenizer, args.prompt)
     stops = [tokenizer.eos_token_id] if args.stop_at_eos and tokenizer.eos_token_id is not None else []
-    config = SMCConfig(num_particles=args.num_particles, resampling=args.resampling, ess_threshold=args.ess_threshold)
+    config = SMCConfig(
+        num_particles=args.num_particles,
+        resampling=args.resampling,
+        ess_threshold=args.ess_threshold,
+        proposal_mix=args.proposal_mix,
+    )
     estimate = estimate_bad_response(
         args.method, model, prompt, bad_ids, stop_token_ids=stops, max_new_tokens=args.max_new_tokens,
         num_samples=args.num_samples, batch_size=args.batch_size, temperature=args.temperature,

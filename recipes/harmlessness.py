@@ -84,6 +84,7 @@ def prompt_datasets(script_args: HarmlessnessScriptArguments, training_args: Har
 
 def main(script_args: HarmlessnessScriptArguments, training_args: HarmlessnessConfig, model_args: ModelConfig) -> None:
     """Load the models and the prompts, train (or resume), save the policy and the proposal (pushed if asked)."""
+    cli.seed_run(training_args)  # before any model is built: fresh heads / adapters follow --seed
     if model_args.model_name_or_path is None:
         raise ValueError("Pass --model_name_or_path (the policy to train).")
     policy_path = model_args.model_name_or_path

@@ -32,6 +32,7 @@ from trl_ext.trainers.kd import KDConfig, KDTrainer
 
 def main(script_args: cli.DatasetScriptArguments, training_args: KDConfig, model_args: ModelConfig) -> None:
     """Load the student, teacher, tokenizer and dataset, distil, save the student (pushed if asked)."""
+    cli.seed_run(training_args)  # before any model is built: fresh heads / adapters follow --seed
     if not model_args.model_name_or_path or not training_args.teacher_model_name_or_path:
         raise ValueError("Pass --model_name_or_path (the student) and --teacher_model_name_or_path (the teacher).")
     path = model_args.model_name_or_path

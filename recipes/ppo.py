@@ -75,6 +75,7 @@ def main(
 ) -> None:
     """Load the models and the prompts, train (or resume), save the final policy and critic (pushed if asked).
     ``given``: the options set explicitly (see :func:`check_model_paths`)."""
+    cli.seed_run(training_args)  # before any model is built: fresh heads / adapters follow --seed
     check_model_paths(training_args, model_args, given)
     policy_path = model_args.model_name_or_path or training_args.sft_model_path
     tokenizer = cli.load_tokenizer(policy_path, model_args)

@@ -44,6 +44,7 @@ def add_placeholder_token(tokenizer, model, token: str | None) -> bool:
 
 def main(script_args: cli.DatasetScriptArguments, training_args: PRMConfig, model_args: ModelConfig) -> None:
     """Load the model, tokenizer and step-labelled data, train, save (pushed if asked)."""
+    cli.seed_run(training_args)  # before any model is built: fresh heads / adapters follow --seed
     from transformers import AutoTokenizer
 
     path = model_args.model_name_or_path

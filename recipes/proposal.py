@@ -60,6 +60,7 @@ def build_reward(script_args: ProposalScriptArguments, dtype):
 
 def main(script_args: ProposalScriptArguments, training_args: ProposalConfig, model_args: ModelConfig) -> None:
     """Load q, p_ref, the reward and the prompts; train (or resume); save q (pushed with --push_to_hub)."""
+    cli.seed_run(training_args)  # before any model is built: fresh heads / adapters follow --seed
     path = model_args.model_name_or_path
     if path is None:
         raise ValueError("Pass --model_name_or_path: the checkpoint q starts from.")

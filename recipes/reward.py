@@ -62,6 +62,7 @@ def fill_special_tokens(tokenizer, model) -> list[str]:
 
 def main(script_args: cli.DatasetScriptArguments, training_args: RewardConfig, model_args: ModelConfig) -> None:
     """Load the classifier, tokenizer and preference pairs, train, save (pushed if asked)."""
+    cli.seed_run(training_args)  # before any model is built: fresh heads / adapters follow --seed
     from transformers import AutoTokenizer
 
     path = model_args.model_name_or_path

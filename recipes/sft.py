@@ -68,6 +68,7 @@ def sft_datasets(script_args: SFTScriptArguments, training_args: SFTConfig, toke
 
 def main(script_args: SFTScriptArguments, training_args: SFTConfig, model_args: ModelConfig) -> None:
     """Load the model, tokenizer and dataset, fine-tune, save the final model (pushed if asked)."""
+    cli.seed_run(training_args)  # before any model is built: fresh heads / adapters follow --seed
     path = model_path(model_args)
     tokenizer = cli.load_tokenizer(path, model_args)
     model = load_causal_lm(path, **cli.model_load_kwargs(model_args))

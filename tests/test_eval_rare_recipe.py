@@ -104,6 +104,7 @@ def test_words_distribution_with_a_prefix(recipe, tiny_gpt_neox_dir, tmp_path):
         (["--prompt", "a", "--method", "itgis", "--max_new_tokens", "3"], "max_new_tokens 2"),
         (["--prompt", "a", "--method", "smc", "--twist_path", "x"], "go together"),
         (["--prompt", "a", "--method", "smc", "--num_runs", "1"], "num_runs"),
+        (["--prompt", "a", "--method", "smc", "--proposal_mix", "1.5"], "proposal_mix"),
     ],
 )
 def test_option_checks(recipe, argv, message):
@@ -140,6 +141,8 @@ def test_response_mode_every_method_agrees_with_exact(recipe, tiny_llama_dir, ti
         "smc": ["--method", "smc"],
         "smc_twist": ["--method", "smc", "--twist_path", str(twist_dir),
                       "--twist_parameterization", "modulation_linear_head"],
+        "smc_twist_mix": ["--method", "smc", "--twist_path", str(twist_dir),
+                          "--twist_parameterization", "modulation_linear_head", "--proposal_mix", "0.5"],
         "smc_proposal": ["--method", "smc", "--twist_path", tiny_gpt_neox_dir, "--twist_parameterization", "proposal"],
     }  # fmt: skip
     reports = {}

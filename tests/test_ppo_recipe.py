@@ -80,6 +80,8 @@ EXPECTED_CONFIGS = {
     "deepspeed_zero2": {"distributed_type": "DEEPSPEED", "zero_stage": 2},
     "deepspeed_zero3": {"distributed_type": "DEEPSPEED", "zero_stage": 3},
     "fsdp2": {"distributed_type": "FSDP", "fsdp_version": 2},
+    "deepspeed_zero3_2x8": {"distributed_type": "DEEPSPEED", "zero_stage": 3, "num_processes": 16},
+    "fsdp2_2x8": {"distributed_type": "FSDP", "fsdp_version": 2, "num_processes": 16},
 }
 
 

@@ -277,3 +277,35 @@ def test_errors(p, potential):
         smc_estimate(constant_twist(p), PROMPT, potential, SMCConfig(), num_runs=1)
     with pytest.raises(ValueError, match="TokenSetPotential"):
         short_response_target(p, PROMPT, lambda *a: None)
+
+
+# ------------------------------------------------------------------------------------------ defensive mixture
+def test_proposal_mix_one_samples_p_and_weights_are_phi(p, potential):
+    """ε = 1: tokens come from p whatever the twist, and without resampling the ψ factors telescope, so each
+    final log-weight is log φ of the particle's response."""
+    config = SMCConfig(num_particles=16, resampling="none", proposal_mix=1.0)
+    source = LMTwist(a_twist_model(p), "modulation_linear_head")
+    result = twisted_smc(source, torch.tensor([PROMPT] * 2), potential, config,
+                         generator=torch.Generator().manual_seed(0))  # fmt: skip
+    assert torch.allclose(result.log_weights.view(-1), result.log_phi, atol=1e-5, rtol=0)
+    assert torch.allclose(result.token_log_q, result.token_log_p, atol=0, rtol=0)
+
+
+def test_proposal_mix_weights_use_the_mixture(p, potential):
+    """ε = 0.3 with ψ ≡ 1, proposal q, no resampling: w = p·φ / ((1 − ε)·q + ε·p) per token, from the exact
+    per-token probabilities of the sampled responses."""
+    q, eps = toy_lm(5, head_scale=2.0), 0.3
+    config = SMCConfig(num_particles=32, resampling="none", proposal_mix=eps)
+    result = twisted_smc(constant_twist(p, q), torch.tensor([PROMPT] * 2), potential, config,
+                         generator=torch.Generator().manual_seed(1))  # fmt: skip
+    ids = torch.cat([result.prompt_ids, result.response_ids], 1)
+    with torch.no_grad():
+        lp = torch.log_softmax(p(input_ids=ids).logits[:, len(PROMPT) - 1 : -1].double(), -1)
+        lq = torch.log_softmax(q(input_ids=ids).logits[:, len(PROMPT) - 1 : -1].double(), -1)
+    tok = result.response_ids[..., None]
+    p_t, q_t = lp.gather(-1, tok)[..., 0].exp(), lq.gather(-1, tok)[..., 0].exp()
+    mix_t = (1 - eps) * q_t + eps * p_t
+    expected = (p_t.log() - mix_t.log()).sum(-1) + result.log_phi
+    assert torch.allclose(result.log_weights.view(-1), expected, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="proposal_mix"):
+        SMCConfig(proposal_mix=1.5)

@@ -46,7 +46,9 @@ __all__ = [
     "model_load_kwargs",
     "prepare_inputs",
     "check_negative_data_options",
+    "engine_name",
     "processes_text",
+    "seed_run",
     "train_and_eval_splits",
     "train_and_save",
 ]
@@ -457,7 +459,35 @@ def train_and_save(trainer, training_args) -> None:
     trainer.save_model(training_args.output_dir)
 
 
+def seed_run(training_args) -> None:
+    """Seed every RNG from ``--seed`` (``--full_determinism`` too) before a recipe builds its models: a head or
+    adapter created at load time (a PRM's classifier, a critic's value head, LoRA weights) is then the same in every
+    run with that seed, with 1 or N processes; unseeded, torch starts each process from a random seed."""
+    from transformers.trainer_utils import enable_full_determinism, set_seed
+
+    if getattr(training_args, "full_determinism", False):
+        enable_full_determinism(training_args.seed)
+    else:
+        set_seed(training_args.seed)
+
+
 def processes_text(trainer) -> str:
-    """``"1 process"`` / ``"N processes"``: how many processes trained (for the recipes' summary lines)."""
+    """``"1 process"`` / ``"N processes (engine)"``: how many processes trained and how (:func:`engine_name`), for the
+    recipes' summary lines."""
     processes = trainer.accelerator.num_processes
-    return f"{processes} process{'es' * (processes > 1)}"
+    if processes == 1:
+        return "1 process"
+    return f"{processes} processes ({engine_name(trainer.accelerator)})"
+
+
+def engine_name(accelerator) -> str:
+    """The distributed engine an `accelerate.Accelerator` runs: ``"DDP"``, ``"DeepSpeed ZeRO-<stage>"``,
+    ``"FSDP<version>"`` or ``"single process"``."""
+    state = accelerator.state
+    deepspeed = getattr(state, "deepspeed_plugin", None)
+    if deepspeed is not None:
+        return f"DeepSpeed ZeRO-{deepspeed.zero_stage}"
+    fsdp = getattr(state, "fsdp_plugin", None)
+    if fsdp is not None:
+        return f"FSDP{getattr(fsdp, 'fsdp_version', 1)}"
+    return "DDP" if accelerator.num_processes > 1 else "single process"

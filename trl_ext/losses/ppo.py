@@ -162,7 +162,10 @@ def clipped_value_loss(
         per_token = 0.5 * err
     else:
         v_old = _keep(old_values, valid)
-        v_clip = v_old + torch.clamp(v - v_old, -cliprange_value, cliprange_value)
+        # V itself where it moved by at most ε: V_old + (V − V_old) can differ from V by a rounding error, which
+        # would count as clipping in `clipfrac` (the gradient is the same either way).
+        moved = v - v_old
+        v_clip = torch.where(moved.abs() > cliprange_value, v_old + moved.clamp(-cliprange_value, cliprange_value), v)
         err_clip = (v_clip - g).square()
         clip_active = err_clip > err
         per_token = 0.5 * torch.where(clip_active, err_clip, err)

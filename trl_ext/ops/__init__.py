@@ -1,6 +1,7 @@
 """Pure tensor operations shared by losses and trainers (masked statistics, KL estimators, log-probs, GAE, ...)."""
 
 from .advantages import discounted_returns, gae_advantages
+from .importance import IS_MODES, vllm_importance_weights
 from .kl import KL_ESTIMATORS, full_kl, kl_estimate, kl_k1, kl_k2, kl_k3
 from .logprobs import (
     entropy_from_logits,
@@ -31,6 +32,8 @@ from .sequences import (
 from .stats import masked_mean, masked_normalize, masked_std, masked_sum, masked_var, masked_whiten
 
 __all__ = [
+    "IS_MODES",
+    "vllm_importance_weights",
     "extend_mask_past_last",
     "group_rows",
     # stats

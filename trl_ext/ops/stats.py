@@ -11,6 +11,8 @@ tokens loses most of its digits.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 __all__ = [
@@ -105,15 +107,25 @@ def masked_whiten(
     shift_mean: bool = True,
     dim: int | tuple[int, ...] | None = None,
     eps: float = 1e-8,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Whiten ``x``: ``(x − μ)/sqrt(σ² + eps)`` with masked statistics (global when ``dim`` is None).
 
     With ``shift_mean=False`` the mean is added back, ``x ↦ (x − μ)/σ + μ`` (the convention TRL uses when whitening
     rewards). Masked-out entries of the output are set to zero.
+
+    ``reduce``: a function that sums a tensor over processes (e.g. ``lambda t: accelerator.reduce(t, "sum")``); μ and
+    the unbiased σ² are then those of the elements of *every* process, so that N processes whiten as one process
+    holding all their rows does (only with ``dim=None``).
     """
     x, dtype = _upcast(x)
-    mean = masked_mean(x, mask, dim=dim)
-    var = masked_var(x, mask, dim=dim, unbiased=True)
+    if reduce is not None:
+        if dim is not None:
+            raise ValueError("masked_whiten: reduce (statistics over processes) needs dim=None.")
+        mean, var = _reduced_mean_var(x, mask, reduce)
+    else:
+        mean = masked_mean(x, mask, dim=dim)
+        var = masked_var(x, mask, dim=dim, unbiased=True)
     if dim is not None:
         shape = _keepdim_shape(x.shape, (dim,) if isinstance(dim, int) else dim)
         mean, var = mean.reshape(shape), var.reshape(shape)
@@ -122,6 +134,17 @@ def masked_whiten(
     if not shift_mean:
         out = out + mean
     return _back(out * m, dtype)
+
+
+def _reduced_mean_var(x: torch.Tensor, mask: torch.Tensor, reduce) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked mean and unbiased variance of the elements of every process (``reduce`` sums over processes)."""
+    xz, m = _zeroed(x, mask)
+    totals = reduce(torch.stack([(xz * m).sum(), m.sum()]))
+    total, count = totals[0], totals[1]
+    mean = total / torch.where(count == 0, torch.ones_like(count), count)
+    squares = reduce(((xz - mean) ** 2 * m).sum())
+    den = count - 1
+    return mean, squares / torch.where(den <= 0, torch.ones_like(den), den) * (den > 0)
 
 
 def masked_normalize(

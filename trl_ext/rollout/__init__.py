@@ -5,6 +5,9 @@ trainers (`trl_ext.trainers`), held-out evaluation and attacks (`trl_ext.eval`) 
 - `generator`: `RolloutGenerator` (generate → log-probs → reference → reward), `generate_responses`,
   `forward_response`, `RolloutReward`, `SamplingSettings`;
 - `sampling`: the inverse-CDF sampler that records the log-probs it sampled from;
+- `shared_prefix`: each distinct prompt run once and its KV cache fanned out to its samples (generation, reference,
+  critic and reward passes);
+- `reward`: `RolloutReward` (a reward model on the token ids, or a reward function on the decoded texts);
 - `reference`: `ReferencePolicy` (a separate model, or the policy with its adapters disabled);
 - `finite`: the check of every rollout's rewards for NaN / ±inf (`nonfinite_rewards`: raise, or drop the samples);
 - `data`: prompt datasets, the left-padding collator and the rollout sampler;

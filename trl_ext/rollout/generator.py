@@ -7,13 +7,17 @@ One rollout, for a batch of left-padded prompts:
 2. sample responses with the policy's own ``generate`` (plain, value-head, PEFT and modulated policies all have one)
    under `trl.models.unwrap_model_for_generation`, with exactly the sampling settings given (the model's saved
    generation config is swapped out meanwhile, so none of its defaults, e.g. ``top_k=50``, leak in); tokens are
-   drawn by :class:`~trl_ext.rollout.sampling.SampleAndRecord`, which also records their log-probs;
+   drawn by :class:`~trl_ext.rollout.sampling.SampleAndRecord`, which also records their log-probs; with
+   ``shared_prefix`` each distinct prompt is prefilled once and its KV cache fanned out to its ``N`` samples
+   (:mod:`.shared_prefix`: same logits, same draws);
 3. cut each response after its first stop token (pad after it; the stop token itself is part of the response);
 4. score ``prompt + response`` in chunks of ``forward_batch_size`` rows, with no gradient and in eval mode:
    the policy's log-probs at the *sampling temperature* (recorded during sampling in fp32; otherwise from
    :func:`forward_response`, the function the trainers use for their loss — both agree with the training-time
    log-probs to ~1e-6), the reference's log-probs (:class:`ReferencePolicy`; skipped with ``reference=None``), the
-   values (when the model has a critic) and the scores (:class:`RolloutReward`);
+   values (when the model has a critic) and the scores (:class:`RolloutReward`); with ``shared_prefix``, in fp32, the
+   reference, a separate critic and a reward model run each distinct prompt once and its responses on its cache
+   (:mod:`.shared_prefix`);
 5. subtract ``missing_eos_penalty`` from the scores of responses without a stop token;
 6. screen the scores for NaN / ±inf (``nonfinite_rewards``: raise, or drop those samples; :mod:`.finite`).
 
@@ -33,18 +37,18 @@ from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList
 
 from ..models.lora import is_peft_model
-from ..models.offload import on_device
-from ..models.reward import get_sequence_scores
-from ..models.reward_functions import RewardFunction, as_reward_function
 from ..models.value_head import AutoModelForCausalLMWithValueHead
 from ..ops.logprobs import DEFAULT_CHUNK_SIZE
 from ..ops.sequences import truncate_after_stop_token
 from ..utils import eval_mode
 from .finite import screen_rewards
+from .fsdp import call_as_root_forward, is_fsdp_sharded
 from .reference import ReferencePolicy
+from .reward import RolloutReward
 from .sampling import SampleAndRecord
 from .scoring import PolicyOutput, causal_lm_outputs, forward_response, supports_logits_to_keep
-from .vision import VisionInputs, generation_inputs, reward_images
+from .shared_prefix import prefill_prompts, shared_prompt_logprobs, shared_prompt_values
+from .vision import VisionInputs, generation_inputs
 
 __all__ = [
     "PolicyOutput",
@@ -54,6 +58,7 @@ __all__ = [
     "RolloutReward",
     "SamplingSettings",
     "causal_lm_outputs",
+    "finish_responses",
     "forward_response",
     "generate_responses",
     "rollout_logprobs",
@@ -97,6 +102,9 @@ class Rollout:
     """The rows' image inputs (vision-language policies, see :mod:`~trl_ext.rollout.vision`), else ``None``."""
     dropped: torch.Tensor | None = None
     """``(B,)`` bool: rows given zero weight (a non-finite reward, ``nonfinite_rewards="drop"``); ``None``: none."""
+    engine_logprobs: torch.Tensor | None = None
+    """``(B, T)`` fp32 log-probs of the response tokens under the vLLM engine that sampled them (``use_vllm``; for the
+    importance-sampling correction, `trl_ext.ops.vllm_importance_weights`); ``None`` with ``generate``."""
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -174,11 +182,12 @@ class SamplingSettings:
             **kwargs, eos_token_id=stop, pad_token_id=self.pad_token_id, bos_token_id=None, repetition_penalty=1.0
         )
 
-    def sampler(self) -> SampleAndRecord | None:
-        """A fresh :class:`~trl_ext.rollout.sampling.SampleAndRecord` for one ``generate`` call (``None``: greedy)."""
+    def sampler(self, row_keys: torch.Tensor | None = None) -> SampleAndRecord | None:
+        """A fresh :class:`~trl_ext.rollout.sampling.SampleAndRecord` for one ``generate`` call (``None``: greedy);
+        ``row_keys``: the rows' random-stream keys (:func:`~trl_ext.rollout.sampling.row_keys`), else torch's RNG."""
         if not self.do_sample:
             return None
-        return SampleAndRecord(self.temperature, self.top_k, self.top_p)
+        return SampleAndRecord(self.temperature, self.top_k, self.top_p, row_keys=row_keys)
 
 
 def _generation_module(model: nn.Module) -> nn.Module:
@@ -203,6 +212,20 @@ def _generation_config(model: nn.Module, config: GenerationConfig):
         target.generation_config = saved
 
 
+def finish_responses(responses: torch.Tensor, generated: torch.Tensor, settings: SamplingSettings):
+    """``(responses, mask, contains_stop)`` from ``(B, T)`` sampled ids and the ``(B, T)`` bool "was generated": cut
+    after the first stop token (kept; pad after it), the mask, and whether a stop (or, without stop tokens, the eos)
+    token is in the response. Shared by ``generate`` and the vLLM engine (`trl_ext.rollout.vllm`)."""
+    if settings.stop_token_ids:
+        responses, mask = truncate_after_stop_token(responses, settings.stop_token_ids, settings.pad_token_id)
+        mask = mask * generated
+    else:
+        mask = generated.long()
+    ended_ids = settings.stop_token_ids or ((settings.eos_token_id,) if settings.eos_token_id is not None else ())
+    ended = torch.tensor(list(ended_ids), dtype=torch.long, device=responses.device)
+    return responses, mask, (torch.isin(responses, ended) & (mask != 0)).any(-1)
+
+
 @torch.no_grad()
 def generate_responses(
     model: nn.Module,
@@ -213,6 +236,8 @@ def generate_responses(
     *,
     return_logprobs: bool = False,
     vision: VisionInputs | None = None,
+    row_keys: torch.Tensor | None = None,
+    share_prompts: bool = False,
 ):
     """Sample one response per row of the left-padded prompts with ``model.generate``, ``batch_size`` rows at a time.
 
@@ -221,21 +246,31 @@ def generate_responses(
     ``T ≤ max_new_tokens`` is the longest response. With ``return_logprobs`` a fourth item follows: the ``(B, T)``
     fp32 sampling-time log-probs ``log_softmax(logits / temperature)`` of the response tokens, zero where the mask is
     zero (``None`` when sampling greedily). The model is put in eval mode meanwhile. ``vision``: the rows' image
-    inputs (vision-language models).
+    inputs (vision-language models). ``row_keys``: ``(B,)`` keys of the rows' own random streams
+    (:func:`~trl_ext.rollout.sampling.row_keys`); a row's response then does not depend on its batch.
+    ``share_prompts``: prefill each distinct prompt of a ``generate`` call once and
+    copy its KV cache to its rows (:func:`~trl_ext.rollout.shared_prefix.prefill_prompts`; text only): the same
+    logits and, for a given seed, the same tokens as without.
     """
     config = settings.generation_config()
     chunks, logprob_chunks = [], []
+    # FSDP2: every step all-gathers weights, so every process keeps stepping until all are done.
+    synced = {"synced_gpus": True} if is_fsdp_sharded(model) and _world_size() > 1 else {}
     with eval_mode(model), _generation_config(model, config):
         for start in range(0, prompt_ids.shape[0], batch_size):
             ids, mask = prompt_ids[start : start + batch_size], prompt_mask[start : start + batch_size]
-            sampler = settings.sampler()
+            sampler = settings.sampler(None if row_keys is None else row_keys[start : start + batch_size])
             extra, banned = generation_inputs(
                 None if vision is None else vision[start : start + batch_size], ids, sampler
             )
             processors = LogitsProcessorList(([sampler] if sampler is not None else []) + banned)
+            cache = prefill_prompts(model, ids, mask) if share_prompts and vision is None else None
+            if cache is not None:
+                extra["past_key_values"] = cache
             out = model.generate(
-                input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=processors, **extra
-            )
+                input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=processors, **extra,
+                **synced,
+            )  # fmt: skip
             chunks.append(out[:, ids.shape[1] :])
             if sampler is not None:
                 logprob_chunks.append(sampler.logprobs()[:, : chunks[-1].shape[1]])
@@ -251,19 +286,17 @@ def generate_responses(
         if logprobs is not None:
             logprobs[row : row + chunk.shape[0], : chunk.shape[1]] = logprob_chunks[i].to(logprobs.device)
         row += chunk.shape[0]
-    if settings.stop_token_ids:
-        responses, mask = truncate_after_stop_token(responses, settings.stop_token_ids, settings.pad_token_id)
-        mask = mask * generated
-    else:
-        mask = generated.long()
-    ended_ids = settings.stop_token_ids or ((settings.eos_token_id,) if settings.eos_token_id is not None else ())
-    ended = torch.tensor(list(ended_ids), dtype=torch.long, device=responses.device)
-    contains_stop = (torch.isin(responses, ended) & (mask != 0)).any(-1)
+    responses, mask, contains_stop = finish_responses(responses, generated, settings)
     if not return_logprobs:
         return responses, mask, contains_stop
     if logprobs is not None:
         logprobs = torch.where(mask != 0, logprobs, torch.zeros_like(logprobs))
     return responses, mask, contains_stop, logprobs
+
+
+def _world_size() -> int:
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return torch.distributed.get_world_size() if distributed else 1
 
 
 # ------------------------------------------------------------------------------------------------ scoring
@@ -279,63 +312,6 @@ def rollout_logprobs(model: nn.Module, rollout: Rollout, batch_size: int, temper
         )  # fmt: skip
         parts.append(out.logprobs.float())
     return torch.cat(parts)
-
-
-class RolloutReward:
-    """Scores ``prompt + response`` rows: ``(B,)`` fp32 on the rows' device.
-
-    - an ``nn.Module`` reward model is taken to share the policy's tokenizer (TRL's PPO convention) and is scored on
-      the token ids with :func:`~trl_ext.models.get_sequence_scores`, at the last real token of each row (from the
-      mask, so left/right padding and pad == eos are right);
-    - anything else goes through :func:`~trl_ext.models.as_reward_function` (a ``(model, tokenizer)`` pair, a
-      ``RewardFunction``, a callable ``(prompts, completions) -> scores``, a URL, a checkpoint path) and is scored on
-      the decoded texts; with ``uses_images`` it also gets the rows' PIL images as ``images=``.
-
-    ``offload_device``: with a reward model kept on the CPU (``reward_offload=True``), the device it is moved to for
-    its forward passes (each call, or the whole block of :meth:`placed`); ``None``: it stays where it is.
-    """
-
-    def __init__(self, reward, tokenizer, uses_images: bool = False, offload_device: torch.device | None = None):
-        self.tokenizer, self.uses_images = tokenizer, uses_images
-        self.offload_device = offload_device
-        self.model: nn.Module | None = None
-        self.function: RewardFunction | None = None
-        if isinstance(reward, nn.Module):
-            embeddings = reward.get_input_embeddings() if hasattr(reward, "get_input_embeddings") else None
-            size = getattr(embeddings, "num_embeddings", None)
-            if size is not None and size < len(tokenizer):
-                raise ValueError(
-                    f"The reward model's vocabulary ({size} tokens) is smaller than the policy tokenizer's "
-                    f"({len(tokenizer)}): it cannot read the policy's token ids. If it has its own tokenizer, pass "
-                    "reward_model=(model, its_tokenizer) to score decoded text instead."
-                )
-            self.model = reward
-        else:
-            self.function = as_reward_function(reward)
-
-    @property
-    def uses_token_ids(self) -> bool:
-        return self.model is not None
-
-    def placed(self):
-        """Context in which an offloaded reward model is on ``offload_device`` (a no-op otherwise)."""
-        return on_device(self.model, self.offload_device, enabled=self.model is not None)
-
-    @torch.no_grad()
-    def __call__(self, prompt_ids, prompt_mask, response_ids, response_mask, vision=None) -> torch.Tensor:
-        device = prompt_ids.device
-        if self.model is not None:
-            with self.placed():
-                param = next(self.model.parameters(), None)
-                target = param.device if param is not None else device
-                ids = torch.cat([prompt_ids, response_ids], 1).to(target)
-                mask = torch.cat([prompt_mask, response_mask], 1).to(target)
-                with eval_mode(self.model):
-                    return get_sequence_scores(self.model, ids, mask).float().to(device)
-        kwargs = {"images": reward_images(vision)} if self.uses_images else {}
-        ids_and_masks = (prompt_ids, response_ids, self.tokenizer, prompt_mask, response_mask)
-        scores = self.function.score_token_ids(*ids_and_masks, **kwargs)
-        return scores.float().to(device)
 
 
 # ------------------------------------------------------------------------------------------------ the rollout
@@ -362,6 +338,13 @@ class RolloutGenerator:
             differ by more than the PPO ratio tolerates, so the forward pass is kept there.
         nonfinite_rewards: ``"error"`` raises on a NaN / ±inf score, ``"drop"`` gives those samples zero weight
             (:func:`~trl_ext.rollout.finite.screen_rewards`).
+        engine: a :class:`~trl_ext.rollout.vllm.VLLMRolloutEngine` that samples instead of ``generate`` (the policy's
+            log-probs then come from a forward pass; the engine's are kept in ``Rollout.engine_logprobs``).
+        shared_prefix: with ``num_samples_per_prompt > 1``, run each distinct prompt once and fan its KV cache out
+            to its samples (:mod:`~trl_ext.rollout.shared_prefix`): in ``generate`` always (same logits, same draws),
+            in the reference / separate-critic / reward-model passes when that model computes in fp32 without mixed
+            precision (in 16-bit they run the rows whole, as the policy's log-probs do, so that old and new values
+            and a policy equal to its reference agree as before). Text rows only.
     """
 
     def __init__(
@@ -379,13 +362,17 @@ class RolloutGenerator:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         logprobs_from_generation: bool = True,
         nonfinite_rewards: str = "error",
+        engine=None,
+        shared_prefix: bool = True,
     ):
+        self.engine = engine
         self.settings, self.reward, self.reference = settings, reward, reference
         self.logprobs_from_generation, self.nonfinite_rewards = logprobs_from_generation, nonfinite_rewards
         self.forward_batch_size, self.accelerator = int(forward_batch_size), accelerator
         self.missing_eos_penalty, self.policy_of, self.with_values = missing_eos_penalty, policy_of, with_values
         self.gather_deepspeed3_params = gather_deepspeed3_params
         self.gradient_checkpointing_kwargs, self.chunk_size = gradient_checkpointing_kwargs, chunk_size
+        self.shared_prefix = shared_prefix
 
     def _unwrapped(self, model: nn.Module) -> nn.Module:
         return self.accelerator.unwrap_model(model) if self.accelerator is not None else model
@@ -425,38 +412,62 @@ class RolloutGenerator:
         param = next(policy.parameters(), None)
         return param is None or param.dtype == torch.float32
 
-    def _values(self, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, T: int, vision=None) -> torch.Tensor:
+    def _values(self, model: nn.Module, ids, mask, T: int, vision=None, share: bool = False) -> torch.Tensor:
         """Critic values without the policy's log-probs: through ``critic_values`` when the module has it (e.g.
         :class:`~trl_ext.trainers.ppo.policy_value.PolicyAndValueModel`, which then skips the policy when the critic is
-        a separate model), else through :func:`forward_response`."""
+        a separate model), else through :func:`forward_response`. ``share``: a separate fp32 critic (``value_model``)
+        runs each distinct prompt once."""
+        critic = getattr(self._unwrapped(model), "value_model", None) if share else None
+        if critic is not None and self._full_precision(critic):
+            P = ids.shape[1] - T
+            values = shared_prompt_values(critic, ids[:, :P], mask[:, :P], ids[:, P:], mask[:, P:])
+            if values is not None:
+                return values
         critic_values = getattr(self._unwrapped(model), "critic_values", None)
-        if critic_values is not None:
-            return critic_values(ids, mask, T, vision=vision)
+        if critic_values is not None:  # below the root module: under FSDP2, run as its forward
+            return call_as_root_forward(self._unwrapped(model), critic_values, ids, mask, T, vision=vision)
         out = forward_response(
             model, ids, mask, T, temperature=self.settings.temperature, return_values=True, vision=vision
         )
         return out.values
 
     def __call__(
-        self, model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, vision: VisionInputs | None = None
+        self,
+        model: nn.Module,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        vision: VisionInputs | None = None,
+        row_keys: torch.Tensor | None = None,
     ) -> Rollout:
         """Sample and score responses for left-padded ``prompt_ids``/``prompt_mask`` ``(B_p, P)``.
 
-        ``model`` is the trainable module as the trainer holds it (possibly DDP/DeepSpeed-wrapped); its forward
+        ``model`` is the trainable module as the trainer holds it (possibly DDP/DeepSpeed/FSDP-wrapped); its forward
         gives the policy's logits (and ``value`` with ``with_values``). ``vision``: the prompts' image inputs.
+        ``row_keys``: ``(B_p · N,)`` keys of the sampled rows' random streams (see :func:`generate_responses`).
         """
         n = self.settings.num_samples_per_prompt
+        # FSDP2: submodules run only as the root's forward, so every pass keeps its whole rows there
+        share = self.shared_prefix and n > 1 and vision is None and not is_fsdp_sharded(self._unwrapped(model))
         prompt_ids = prompt_ids.repeat_interleave(n, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
         vision = vision.repeat_interleave(n) if vision is not None else None
         start = time.perf_counter()
-        with self.generation_model(model) as policy:
-            responses, response_mask, contains_stop, sampled_logprobs = generate_responses(
-                policy, prompt_ids, prompt_mask, self.settings, self.forward_batch_size, return_logprobs=True,
-                vision=vision,
-            )  # fmt: skip
-            if not (self.logprobs_from_generation and self._full_precision(policy)):
-                sampled_logprobs = None
+        engine_logprobs = None
+        if self.engine is not None:  # vLLM: weights loaded into the engine when stale, then sampled there
+            policy = self.policy_of(self._unwrapped(model))
+            responses, response_mask, contains_stop, engine_logprobs = self.engine.generate(
+                policy, prompt_ids, prompt_mask, self.settings
+            )
+            sampled_logprobs = None
+        else:
+            with self.generation_model(model) as policy:
+                responses, response_mask, contains_stop, sampled_logprobs = call_as_root_forward(
+                    self._unwrapped(model), generate_responses, policy, prompt_ids, prompt_mask, self.settings,
+                    self.forward_batch_size, return_logprobs=True, vision=vision, row_keys=row_keys,
+                    share_prompts=share,
+                )  # fmt: skip
+                if not (self.logprobs_from_generation and self._full_precision(policy)):
+                    sampled_logprobs = None
         generation_time = time.perf_counter() - start
         start = time.perf_counter()
         ids = torch.cat([prompt_ids, responses], 1)
@@ -476,7 +487,8 @@ class RolloutGenerator:
                     if sampled_logprobs is not None:
                         parts["logprobs"].append(sampled_logprobs[rows])
                         if self.with_values:
-                            parts["values"].append(self._values(model, ids[rows], mask[rows], T, rows_vision(rows)))
+                            values = self._values(model, ids[rows], mask[rows], T, rows_vision(rows), share)
+                            parts["values"].append(values)
                     else:
                         out = forward_response(
                             model, ids[rows], mask[rows], T, temperature=self.settings.temperature,
@@ -486,16 +498,26 @@ class RolloutGenerator:
                         if out.values is not None:
                             parts["values"].append(out.values)
                 with self._reference(model) as reference:
+                    share_ref = share and reference is not None and self._full_precision(reference)
                     for rows in chunks if reference is not None else ():
-                        ref = forward_response(
-                            reference, ids[rows], mask[rows], T, temperature=self.settings.temperature,
-                            chunk_size=self.chunk_size, vision=rows_vision(rows),
-                        )  # fmt: skip
-                        parts["ref_logprobs"].append(ref.logprobs)
+                        ref = shared_prompt_logprobs(
+                            reference, prompt_ids[rows], prompt_mask[rows], responses[rows], response_mask[rows],
+                            temperature=self.settings.temperature, chunk_size=self.chunk_size,
+                        ) if share_ref else None  # fmt: skip
+                        if ref is None:  # a PEFT reference is the policy, below an FSDP2 root: run as its forward
+                            ref = call_as_root_forward(
+                                self._unwrapped(model), forward_response, reference, ids[rows], mask[rows], T,
+                                temperature=self.settings.temperature, chunk_size=self.chunk_size,
+                                vision=rows_vision(rows),
+                            ).logprobs  # fmt: skip
+                        parts["ref_logprobs"].append(ref)
+                reward_model = getattr(self.reward, "model", None)
+                share_reward = share and isinstance(self.reward, RolloutReward) and reward_model is not None
+                share_reward = {"share_prompts": True} if share_reward and self._full_precision(reward_model) else {}
                 with getattr(self.reward, "placed", contextlib.nullcontext)():
                     for rows in chunks:
                         batch = (prompt_ids[rows], prompt_mask[rows], responses[rows], response_mask[rows])
-                        parts["scores"].append(self.reward(*batch, rows_vision(rows)))
+                        parts["scores"].append(self.reward(*batch, rows_vision(rows), **share_reward))
         scores = torch.cat(parts["scores"])
         if self.missing_eos_penalty is not None:
             scores = torch.where(contains_stop, scores, scores - self.missing_eos_penalty)
@@ -512,6 +534,7 @@ class RolloutGenerator:
             num_samples_per_prompt=n,
             timings={"generation": generation_time, "scoring": time.perf_counter() - start},
             vision=vision,
+            engine_logprobs=engine_logprobs,
         )
         many = self.accelerator is not None and self.accelerator.num_processes > 1
         reduce = (lambda count: self.accelerator.reduce(count, reduction="sum")) if many else None

@@ -10,6 +10,12 @@ any), the same as `transformers`' sampling mode.
 On the way it records ``log_softmax(logits / T)`` at the drawn token — the tempered, *unfiltered* log-probability,
 which is what the trainers' loss forward pass computes (:func:`~trl_ext.rollout.generator.forward_response`) — so a
 rollout can skip a separate policy forward pass for its sampling-time log-probs.
+
+By default the uniform of each draw comes from torch's global RNG (each process its own stream). With ``row_keys``
+(one integer per row, :func:`row_keys`) it comes instead from a counter-based hash of ``(row key, token position)``
+(:func:`keyed_uniform`): a row's tokens then depend only on its key and its logits, not on which process samples it,
+how many rows share its batch, or what was drawn before. Trainers key rows by ``(seed, stream, rollout, global row)``
+(``seed_per_row``), so N processes sample exactly what one process with an N× larger batch samples.
 """
 
 from __future__ import annotations
@@ -17,7 +23,45 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
 
-__all__ = ["SampleAndRecord"]
+__all__ = ["SampleAndRecord", "keyed_uniform", "row_keys"]
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x · c mod 2³²`` for int64 tensors ``x < 2³²`` and ``c < 2³²``, without signed 64-bit overflow (the product
+    is split at 16 bits: each partial product stays below 2⁴⁸)."""
+    lo, hi = x & 0xFFFF, x >> 16
+    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _MASK32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (C. Wellons' "lowbias32") of int64 tensors holding values in ``[0, 2³²)``."""
+    x = x & _MASK32
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def row_keys(seed: int, stream: int, rollout: int, rows: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` int64 keys of the rows ``rows`` (their global indices in rollout number ``rollout`` of sample stream
+    ``stream``, e.g. 0 for the policy and 1 for a proposal) of a run seeded with ``seed``: a hash chain, so nearby
+    seeds, rollouts and rows give unrelated keys. Exact integer arithmetic: the same keys on every device."""
+    rows = torch.as_tensor(rows, dtype=torch.int64)
+    key = torch.full_like(rows, 0x9E3779B9)
+    for value in (seed, stream, rollout):
+        key = _hash32(key ^ (int(value) & _MASK32))
+    return _hash32(key ^ (rows & _MASK32))
+
+
+def keyed_uniform(keys: torch.Tensor, step: int) -> torch.Tensor:
+    """``(B, 1)`` float64 uniforms in ``[0, 1)`` for draw number ``step`` of the rows with ``keys``: 53 random bits
+    from two hashes of ``(key, step)`` (:func:`row_keys`); the same on every device and in any batch of rows."""
+    base = _hash32(keys ^ _hash32(torch.full_like(keys, int(step) & _MASK32)))
+    high, low = _hash32(base ^ 0x68E31DA4) >> 5, _hash32(base ^ 0x1B56C4E9) >> 6  # 27 + 26 bits
+    return ((high << 26) | low).to(torch.float64).unsqueeze(-1) / float(2**53)
 
 
 class SampleAndRecord(LogitsProcessor):
@@ -31,9 +75,17 @@ class SampleAndRecord(LogitsProcessor):
         temperature: sampling temperature (> 0).
         top_k: keep the ``top_k`` most likely tokens (``None``/0: off).
         top_p: nucleus sampling threshold (1.0: off).
+        row_keys: ``(B,)`` int64 keys of the rows (:func:`row_keys`): draw number ``t`` of row ``i`` is then
+            :func:`keyed_uniform` of ``(row_keys[i], t)`` instead of the next number of torch's global RNG.
     """
 
-    def __init__(self, temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0):
+    def __init__(
+        self,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float = 1.0,
+        row_keys: torch.Tensor | None = None,
+    ):
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0 to sample; got {temperature}.")
         self.temperature = float(temperature)
@@ -44,6 +96,7 @@ class SampleAndRecord(LogitsProcessor):
             warpers.append(TopPLogitsWarper(top_p=float(top_p)))
         self.warpers = LogitsProcessorList(warpers)
         self._steps: list[torch.Tensor] = []
+        self.row_keys = row_keys
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         tempered = scores.float() / self.temperature
@@ -52,7 +105,11 @@ class SampleAndRecord(LogitsProcessor):
         probs = logprobs.exp() if warped is tempered else torch.softmax(warped, dim=-1)
         # fp64 cumulative sums: no rounding gap between the last entry and the drawn uniform.
         cdf = probs.cumsum(dim=-1, dtype=torch.float64)
-        draw = torch.rand((cdf.shape[0], 1), dtype=torch.float64, device=cdf.device) * cdf[:, -1:]
+        if self.row_keys is None:
+            uniform = torch.rand((cdf.shape[0], 1), dtype=torch.float64, device=cdf.device)
+        else:
+            uniform = keyed_uniform(self.row_keys.to(cdf.device), len(self._steps))
+        draw = uniform * cdf[:, -1:]
         # right=True: the first index whose cumulative mass exceeds the draw, never a zero-probability token.
         tokens = torch.searchsorted(cdf, draw, right=True).clamp_(max=cdf.shape[-1] - 1)
         self._steps.append(logprobs.gather(-1, tokens).squeeze(-1))

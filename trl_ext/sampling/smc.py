@@ -3,7 +3,9 @@ r"""Batched twisted sequential Monte Carlo over token sequences.
 :func:`twisted_smc` runs ``K`` particles for each of ``G`` prompts (groups; the same prompt repeated ``G`` times
 gives ``G`` independent runs) towards ``σ(s) ∝ p(s|x)·φ(s)``:
 
-1. every alive particle is extended by one token ``s_t ~ q(·|s_{<t})`` from its :class:`~.twists.TwistSource`;
+1. every alive particle is extended by one token ``s_t ~ q(·|s_{<t})`` from its :class:`~.twists.TwistSource`
+   (or from the defensive mixture ``(1 − ε)·q + ε·p`` with ``SMCConfig.proposal_mix = ε``, which then stands for
+   ``q`` below);
 2. it gets the incremental log-weight ``log p(s_t) + log ψ_t(s_{1:t}) − log q(s_t) − log ψ_{t−1}(s_{1:t−1})``
    (:func:`~.smc_math.incremental_log_weight`), with ``log φ(s_{1:t})`` in place of ``log ψ_t`` when the response is
    complete (a stop token of ``stop_token_ids`` was drawn, or ``t = max_new_tokens``); a complete particle keeps
@@ -56,6 +58,8 @@ class SMCConfig:
             resamples at every step (before the last), ``0`` never.
         stop_token_ids: tokens that end a response (kept as its last token); empty: every response has ``T`` tokens.
         pad_token_id: the id written after a response's end.
+        proposal_mix: ``ε``, draw tokens from the defensive mixture ``(1 − ε)·q + ε·p`` instead of ``q`` (the
+            weights use the mixture's probability, so every estimate stays exact); ``0`` (default) is plain ``q``.
     """
 
     num_particles: int = field(default=16, metadata={"help": "K: particles per prompt (per independent run)."})
@@ -76,6 +80,14 @@ class SMCConfig:
         metadata={"help": "Token ids that end a response (e.g. the EOS id); empty: all responses have T tokens."},
     )
     pad_token_id: int = field(default=0, metadata={"help": "Id written after a response's end."})
+    proposal_mix: float = field(
+        default=0.0,
+        metadata={
+            "help": "ε in [0, 1]: sample each token from (1 − ε)·q + ε·p, a defensive mixture with the target that "
+            "bounds every incremental weight's p/q factor by 1/ε (a twist that collapsed onto a few tokens can no "
+            "longer miss the rest); 0: q alone."
+        },
+    )
 
     def __post_init__(self):
         if not isinstance(self.num_particles, int) or self.num_particles < 1:
@@ -86,6 +98,8 @@ class SMCConfig:
             raise ValueError(f"resampling must be one of {RESAMPLING_SCHEMES}, got {self.resampling!r}.")
         if not 0.0 <= self.ess_threshold <= 1.0:
             raise ValueError(f"ess_threshold must be in [0, 1], got {self.ess_threshold}.")
+        if not 0.0 <= self.proposal_mix <= 1.0:
+            raise ValueError(f"proposal_mix must be in [0, 1], got {self.proposal_mix}.")
         self.stop_token_ids = [int(i) for i in self.stop_token_ids]
 
 
@@ -115,7 +129,7 @@ class SMCResult:
     token_log_p: torch.Tensor
     """``(B, T)`` float32 ``log p`` of the response tokens (0 on padding)."""
     token_log_q: torch.Tensor
-    """``(B, T)`` float32 ``log q`` of the response tokens."""
+    """``(B, T)`` float32 ``log q`` of the response tokens (of the mixture when ``proposal_mix > 0``)."""
     token_log_psi: torch.Tensor
     """``(B, T)`` float32 ``log ψ_t`` of the response prefixes (the last token's entry is the twist, not ``φ``)."""
     row_forwards: int
@@ -204,6 +218,15 @@ def _sample(log_q: torch.Tensor, generator: torch.Generator | None) -> torch.Ten
     return torch.multinomial(probs, 1, generator=generator)[:, 0].to(log_q.device)
 
 
+def _mixed_log_q(log_q: torch.Tensor, log_p: torch.Tensor, mix: float) -> torch.Tensor:
+    """``log((1 − ε)·q + ε·p)`` per token (``ε = mix``): ``log_q`` at ``ε = 0``, ``log_p`` at ``ε = 1``."""
+    if mix <= 0.0:
+        return log_q
+    if mix >= 1.0:
+        return log_p
+    return torch.logaddexp(log_q + math.log1p(-mix), log_p + math.log(mix))
+
+
 def _gather(values: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return values.gather(1, tokens[:, None])[:, 0]
 
@@ -268,11 +291,12 @@ def twisted_smc(
             if not alive.any():
                 break
             scores = source.advance(tokens)
-        tokens = _sample(scores.log_q, generator)
+        log_q_step = _mixed_log_q(scores.log_q, scores.log_p, config.proposal_mix)
+        tokens = _sample(log_q_step, generator)
         if conditional:
             tokens[ref_rows] = ref_ids[:, t].to(device)
         tokens = torch.where(alive, tokens, torch.full_like(tokens, config.pad_token_id))
-        lp, lq, lpsi = (_gather(getattr(scores, n), tokens).double() for n in ("log_p", "log_q", "log_psi"))
+        lp, lq, lpsi = (_gather(v, tokens).double() for v in (scores.log_p, log_q_step, scores.log_psi))
         response[:, t] = tokens
         response_mask[:, t] = alive.long()
         for name, value in (("log_p", lp), ("log_q", lq), ("log_psi", lpsi)):

@@ -20,6 +20,7 @@ from trl import SFTConfig, SFTTrainer
 
 from ..losses import get_loss
 from ..models.offload import check_offloadable, on_device
+from .common.distributed import CpuFsdpMixin
 from .common.finite import FiniteStepsArguments, FiniteStepsMixin
 from .common.model_card import CompleteModelCard
 from .common.resume import VerifiedResumeMixin
@@ -129,7 +130,7 @@ class KDConfig(FiniteStepsArguments, ResumeConfigMixin, SFTConfig):
             )
 
 
-class KDTrainer(CompleteModelCard, FiniteStepsMixin, VerifiedResumeMixin, SFTTrainer):
+class KDTrainer(CompleteModelCard, FiniteStepsMixin, VerifiedResumeMixin, CpuFsdpMixin, SFTTrainer):
     """[`~trl.SFTTrainer`] that adds a distillation term towards a frozen teacher (see [`KDConfig`]).
 
     Args:
@@ -233,14 +234,20 @@ class KDTrainer(CompleteModelCard, FiniteStepsMixin, VerifiedResumeMixin, SFTTra
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
 
-        # Logged per micro-batch as token means, whatever the normalizer of the optimised loss.
-        rescale = 1.0 if normalizer is None else normalizer / nll.metrics["num_tokens"].clamp(min=1)
-        metrics = {
-            "nll_loss": nll.loss.detach() * rescale,
-            "kd_loss": kd.loss.detach() * rescale,
-            "mean_token_accuracy": nll.metrics["token_accuracy"],
-        }
-        for name, value in metrics.items():
-            gathered = self.accelerator.gather_for_metrics(value.reshape(1).float())
-            self._metrics[mode][name].append(gathered.mean().item())
+        # Logged per micro-batch as token means over every process's labelled tokens, whatever the normalizer of the
+        # optimised loss: per-process token sums and counts are gathered (N processes log what one process would).
+        count = nll.metrics["num_tokens"].float().reshape(())
+        rescale = count if normalizer is None else torch.as_tensor(normalizer, dtype=torch.float32)
+        sums = torch.stack(
+            [
+                nll.loss.detach().float() * rescale,
+                kd.loss.detach().float() * rescale,
+                nll.metrics["token_accuracy"].float() * count,
+                count,
+            ]
+        ).to(student_logits.device)
+        totals = self.accelerator.gather_for_metrics(sums.unsqueeze(0)).sum(0)
+        tokens = totals[-1].clamp(min=1)
+        for name, total in zip(("nll_loss", "kd_loss", "mean_token_accuracy"), totals[:-1]):
+            self._metrics[mode][name].append((total / tokens).item())
         return (loss, outputs) if return_outputs else loss

@@ -35,6 +35,7 @@ from trl.trainer.base_trainer import _BaseTrainer
 from trl.trainer.utils import pad
 
 from ..losses import get_loss
+from .common.distributed import CpuFsdpMixin
 from .common.finite import FiniteStepsArguments, FiniteStepsMixin
 from .common.model_card import CompleteModelCard
 from .common.resume import VerifiedResumeMixin
@@ -66,6 +67,9 @@ class PRMConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
             Two tokens, ``[correct, incorrect]`` (e.g. `["+", "-"]`), to train a **causal LM** as a PRM: their
             logits at each step marker are the class scores. Each must be a single token of the tokenizer. Leave
             unset for a token-classification model with `num_labels=2`.
+        disable_dropout (`bool`, *optional*, defaults to `True`):
+            Turn off dropout in the model (TRL's PRM default): a token-classification head usually comes with
+            `classifier_dropout`, whose masks would otherwise make each process's forward pass random.
 
         > Parameters that control the data
 
@@ -111,6 +115,9 @@ class PRMConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
     model_init_kwargs: dict[str, Any] | str | None = field(
         default=None,
         metadata={"help": "Keyword arguments of `trl_ext.models.load_model` when `model` is given as a path."},
+    )
+    disable_dropout: bool = field(
+        default=True, metadata={"help": "Turn off dropout in the model (TRL's PRM default)."}
     )
     reward_tokens: list[str] | None = field(
         default=None,
@@ -351,7 +358,7 @@ def _architecture_kind(model) -> str | None:
     return None
 
 
-class PRMTrainer(CompleteModelCard, FiniteStepsMixin, VerifiedResumeMixin, _BaseTrainer):
+class PRMTrainer(CompleteModelCard, FiniteStepsMixin, VerifiedResumeMixin, CpuFsdpMixin, _BaseTrainer):
     """Trains a process reward model on step-labelled solutions (see the module docstring and [`PRMConfig`]).
 
     Args:
@@ -416,6 +423,10 @@ class PRMTrainer(CompleteModelCard, FiniteStepsMixin, VerifiedResumeMixin, _Base
             else:
                 model = load_model("AutoModelForTokenClassification", model, **{"num_labels": 2, **init_kwargs})
         self._check_model(model, lm_mode)
+        if args.disable_dropout:
+            from trl.trainer import disable_dropout_in_model
+
+            disable_dropout_in_model(model)
 
         if processing_class is None:
             from transformers import AutoTokenizer
@@ -506,7 +517,8 @@ class PRMTrainer(CompleteModelCard, FiniteStepsMixin, VerifiedResumeMixin, _Base
                 )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """Mean PRM loss over the labelled step markers of the micro-batch; logs the step accuracy."""
+        """Mean PRM loss over the labelled step markers of the micro-batch (of every process's micro-batch together,
+        with several processes); logs the step accuracy."""
         mode = "train" if self.model.training else "eval"
         forward = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
         if self._lm_mode:
@@ -524,9 +536,16 @@ class PRMTrainer(CompleteModelCard, FiniteStepsMixin, VerifiedResumeMixin, _Base
         )
         num_steps = result.metrics["num_steps"]
         correct = result.metrics["accuracy"] * num_steps
+        total_steps = self.accelerator.gather_for_metrics(num_steps.reshape(1).float()).sum()
         self._metrics[mode]["correct"].append(self.accelerator.gather_for_metrics(correct.reshape(1)).sum().item())
-        self._metrics[mode]["num_steps"].append(self.accelerator.gather_for_metrics(num_steps.reshape(1)).sum().item())
-        return (result.loss, outputs) if return_outputs else result.loss
+        self._metrics[mode]["num_steps"].append(total_steps.item())
+        loss = result.loss
+        if self.accelerator.num_processes > 1:
+            # The processes' gradients are averaged: weight this process's mean by its share of the markers, so that
+            # the step follows the mean over every process's markers (what one process with all the rows computes).
+            share = num_steps.float() * self.accelerator.num_processes / total_steps.clamp(min=1)
+            loss = loss * share.to(loss.device)
+        return (loss, outputs) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Evaluation computes the loss and the step accuracy only (no logits are gathered)."""

@@ -3,7 +3,7 @@
 - :func:`rollout_metrics`: one value per rollout (``objective/*``, ``val/num_eos_tokens``);
 - :class:`PPOMetrics`: collects rollout and micro-batch metrics between two logs and hands their averages to
   `Trainer.log` (``val/ratio_var`` is the variance of the micro-batch ratios, ``loss/*_avg`` the mean minibatch loss,
-  i.e. the sum of its micro-batch losses, so it does not depend on the accumulation split);
+  i.e. the sum of its micro-batch losses, so it does not depend on the accumulation split), averaged over processes;
 - :func:`print_completions_table` / :func:`log_completions_table`: rich table; wandb / trackio / comet tables.
 """
 
@@ -106,12 +106,23 @@ class PPOMetrics:
                 self.add(key, total)
             self._minibatch.clear()
 
-    def pop(self) -> dict[str, float]:
-        """Averages since the last call (plus ``val/ratio_var`` and the latest scalars such as ``episode``)."""
+    def pop(self, gather_object=None) -> dict[str, float]:
+        """Averages since the last call (plus ``val/ratio_var`` and the latest scalars such as ``episode``).
+
+        ``gather_object`` (e.g. `accelerate.utils.gather_object`, with several processes): every process's averages
+        are combined, so the log describes the whole run and not the main process's share of it: the mean over
+        processes (the largest value for ``*logprob_diff*``), ``val/ratio_var`` over every process's micro-batches.
+        It is a collective call: every process must call :meth:`pop` at the same logs."""
         logs = {key: sum(v) / len(v) for key, v in self.values.items() if v}
+        ratios = list(self.values.get("val/ratio", []))
+        if gather_object is not None:
+            shares = gather_object([(logs, ratios)])
+            logs, ratios = {}, [r for _, share in shares for r in share]
+            for key in sorted({key for share, _ in shares for key in share}):
+                values = [share[key] for share, _ in shares if key in share]
+                logs[key] = max(values) if "logprob_diff" in key else sum(values) / len(values)
         if not logs:
             return logs
-        ratios = self.values.get("val/ratio", [])
         if ratios:
             logs["val/ratio_var"] = statistics.pvariance(ratios)
         logs.update(self.scalars)

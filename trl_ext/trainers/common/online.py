@@ -40,7 +40,9 @@ from ...rollout.data import (
     prepare_prompt_dataset,
     tokenizer_of,
 )
+from ...rollout.fsdp import call_as_root_forward
 from ...rollout.generator import ReferencePolicy, RolloutGenerator, RolloutReward, SamplingSettings, generate_responses
+from ...rollout.sampling import row_keys
 from ...rollout.vision import (
     VisionPromptCollator,
     check_dataset_images,
@@ -50,6 +52,7 @@ from ...rollout.vision import (
 )
 from . import checkpoint as ckpt
 from .checks import check_not_empty, check_prompts_fit_context, load_model_argument
+from .distributed import CpuFsdpMixin
 from .ema import EMA, EMACallback, load_ema, save_ema
 from .finite import FiniteStepsMixin
 from .kl_control import AdaptiveKLController, build_kl_controller
@@ -57,10 +60,14 @@ from .metrics import log_completions_table, print_completions_table
 from .model_card import CompleteModelCard, write_text_atomically
 from .resume import VerifiedResumeMixin
 from .reward_norm import RunningMoments
+from .vllm_setup import build_vllm_engine
 
 __all__ = ["OnlineTrainerMixin", "evaluates_with_ema", "forked_rng", "hub_push_errors"]
 
 logger = logging.getLogger(__name__)
+
+EVAL_STREAM = 1000
+"""The sample stream of evaluation rollouts with ``seed_per_row`` (training uses small stream numbers)."""
 
 
 @contextlib.contextmanager
@@ -114,7 +121,7 @@ def hub_push_errors(trainer, creating: bool = False) -> Iterator[None]:
         ) from err
 
 
-class OnlineTrainerMixin(FiniteStepsMixin, CompleteModelCard, VerifiedResumeMixin, abc.ABC):
+class OnlineTrainerMixin(FiniteStepsMixin, CompleteModelCard, VerifiedResumeMixin, CpuFsdpMixin, abc.ABC):
     """Setup, data, resume and save steps shared by the online trainers (see the module docs)."""
 
     _config_class: type = object
@@ -316,11 +323,19 @@ class OnlineTrainerMixin(FiniteStepsMixin, CompleteModelCard, VerifiedResumeMixi
             if model is not None:
                 check_padding_free(model, name)
 
+    def _build_vllm(self, models: list[nn.Module], always_sync: bool = False) -> None:
+        """With ``use_vllm``: ``self._vllm``, the engine ``models`` sample from (`vllm_setup.build_vllm_engine`). Their
+        weights are loaded into it when ``global_step`` (the optimizer steps) changed since the last load, or every
+        time with ``always_sync`` (a trainer that also steps outside `Trainer`'s count)."""
+        version_fn = None if always_sync else (lambda: self.state.global_step)
+        self._vllm = build_vllm_engine(self.args, models, self.accelerator, type(self).__name__, version_fn)
+
     def _rollout_generator(
         self, reward: RolloutReward, reference: ReferencePolicy | None, **kwargs
     ) -> RolloutGenerator:
-        """A :class:`RolloutGenerator` with ``self._sampling`` and the config's rollout options; ``kwargs`` (e.g.
-        ``policy_of``) are passed on. ``reference=None``: rollouts score no reference (see :attr:`kl_is_off`)."""
+        """A :class:`RolloutGenerator` with ``self._sampling`` and the config's rollout options (and the vLLM engine
+        of :meth:`_build_vllm`, if any); ``kwargs`` (e.g. ``policy_of``) are passed on. ``reference=None``: rollouts
+        score no reference (see :attr:`kl_is_off`)."""
         args = self.args
         if getattr(reward, "model", None) is not None and reward.model is self.reward_model:  # reward_offload
             reward.offload_device = getattr(self, "_reward_offload_device", None)
@@ -329,8 +344,51 @@ class OnlineTrainerMixin(FiniteStepsMixin, CompleteModelCard, VerifiedResumeMixi
             forward_batch_size=args.local_rollout_forward_batch_size, accelerator=self.accelerator,
             missing_eos_penalty=args.missing_eos_penalty, gather_deepspeed3_params=args.ds3_gather_for_generation,
             gradient_checkpointing_kwargs=args.activation_checkpointing_kwargs,
-            nonfinite_rewards=args.nonfinite_rewards, **kwargs,
+            nonfinite_rewards=args.nonfinite_rewards, engine=getattr(self, "_vllm", None),
+            shared_prefix=args.shared_prefix_rollouts, **kwargs,
         )  # fmt: skip
+
+    def _sum_over_processes(self):
+        """A function that sums a tensor over the processes (for statistics of every process's rows, e.g.
+        `masked_whiten(..., reduce=)`); ``None`` with one process."""
+        if self.accelerator.num_processes == 1:
+            return None
+        return lambda tensor: self.accelerator.reduce(tensor, reduction="sum")
+
+    def _gather_object(self):
+        """`accelerate.utils.gather_object` with several processes (metrics of every process), else ``None``."""
+        if self.accelerator.num_processes == 1:
+            return None
+        from accelerate.utils import gather_object
+
+        return gather_object
+
+    def rollout_row_keys(self, num_prompts: int, rollout: int, stream: int = 0) -> torch.Tensor | None:
+        """With ``seed_per_row``: the ``(num_prompts · N,)`` random-stream keys of this process's rows in rollout
+        number ``rollout`` (counted over the run, the same on every process) of sample stream ``stream`` (e.g. 0 for
+        the policy's samples, 1 for the proposal's), keyed by the rows' *global* index ``(process_index · num_prompts
+        + prompt) · N + sample`` (:func:`~trl_ext.rollout.sampling.row_keys`); ``None`` without it (each process
+        samples from its own RNG)."""
+        if not getattr(self.args, "seed_per_row", False):
+            return None
+        override = self.__dict__.get("_row_key_override")
+        if override is not None:  # inside `evaluation_row_keys`
+            stream, rollout = override
+        rows = num_prompts * self.args.num_samples_per_prompt
+        first = self.accelerator.process_index * rows
+        return row_keys(self.args.seed, stream, rollout, torch.arange(first, first + rows))
+
+    @contextlib.contextmanager
+    def evaluation_row_keys(self, batch: int) -> Iterator[None]:
+        """With ``seed_per_row``, the rollouts of the block (eval batch number ``batch`` of this process) sample from
+        streams of their own (stream ``EVAL_STREAM``, rollout ``batch``), so that eval batches never share the
+        training rollouts' streams or each other's."""
+        saved = self.__dict__.get("_row_key_override")
+        self._row_key_override = (EVAL_STREAM, batch)
+        try:
+            yield
+        finally:
+            self._row_key_override = saved
 
     # ------------------------------------------------------------------------------------- Trainer plumbing
     def _prompt_dataloader(self, prompts_per_process: int, repeat: int = 1) -> DataLoader:
@@ -557,9 +615,10 @@ class OnlineTrainerMixin(FiniteStepsMixin, CompleteModelCard, VerifiedResumeMixi
         reward: rows ``{"query", column, "score"}``. ``vision``: the prompts' image inputs."""
         generator = self.rollout_generator
         with generator.generation_model(self.model_wrapped) as policy:
-            responses, response_mask, _ = generate_responses(
-                policy, ids, mask, settings, self.args.local_rollout_forward_batch_size, vision=vision
-            )
+            responses, response_mask, _ = call_as_root_forward(
+                self.accelerator.unwrap_model(self.model), generate_responses, policy, ids, mask, settings,
+                self.args.local_rollout_forward_batch_size, vision=vision,
+            )  # fmt: skip
         scores = generator.reward(ids, mask, responses, response_mask, vision)
         prompts = self.tokenizer.batch_decode([r[m != 0] for r, m in zip(ids, mask)], skip_special_tokens=True)
         texts = self.tokenizer.batch_decode([r[m != 0] for r, m in zip(responses, response_mask)])

@@ -65,6 +65,15 @@ class OnlineConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
             implementation that keeps packed rows apart (`sdpa`, `eager`, `flex_attention`, `flash_attention_2`;
             checked when the trainer starts). It pays off with flash-attention's varlen kernels on GPU; with
             `sdpa`/`eager` the attention mask of `N` packed tokens is a dense `N × N`.
+        seed_per_row (`bool`, *optional*, defaults to `False`):
+            Draw each sampled token from a random stream keyed by (seed, rollout, global row, position) instead of
+            each process's own RNG: N processes then sample exactly what one process with an N× larger per-device
+            batch samples.
+        shared_prefix_rollouts (`bool`, *optional*, defaults to `True`):
+            With `num_samples_per_prompt > 1`, run each distinct prompt once and fan its key/value cache out to its
+            samples: in generation (the same logits, hence the same samples for a given seed) and, for fp32 models,
+            in the reference, separate-critic and reward-model scoring passes (the same numbers up to rounding).
+            `False`: every sample's prompt is run again.
 
         > Parameters that control the rewards
 
@@ -182,6 +191,23 @@ class OnlineConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
             "help": "Pack the rows of each training micro-batch into one sequence (per-row position_ids, no padding; "
             "same losses and gradients). Needs an attention that keeps packed rows apart (sdpa, eager, "
             "flex_attention, flash_attention_2; checked at start); pays off with flash-attention's varlen kernels."
+        },
+    )
+    seed_per_row: bool = field(
+        default=False,
+        metadata={
+            "help": "Draw each sampled token from a random stream keyed by (seed, rollout, global row, position) "
+            "instead of each process's own RNG, so that N processes sample exactly what one process with an N× "
+            "larger per-device batch samples."
+        },
+    )
+    shared_prefix_rollouts: bool = field(
+        default=True,
+        metadata={
+            "help": "With num_samples_per_prompt > 1, run each distinct prompt once and fan its key/value cache out "
+            "to its samples: in generation (same logits, same samples for a given seed) and, for fp32 models, in the "
+            "reference, separate-critic and reward-model scoring passes (same numbers up to rounding). False: every "
+            "sample's prompt is run again."
         },
     )
 

@@ -14,6 +14,7 @@ from ...ops.kl import KL_ESTIMATORS
 from ...rewards import REWARD_TRANSFORMS, RM_TYPES
 from ..common.online_config import TwistTargetConfig
 from ..common.ptx_config import PtxConfigMixin
+from ..common.vllm_config import VLLMConfigMixin, document_vllm_options
 
 __all__ = ["HarmlessnessConfig", "ORDERS", "PROPOSAL_LOSS_TYPES", "REWARD_TRANSFORM_NAMES", "RM_TYPE_NAMES"]
 
@@ -26,8 +27,9 @@ RM_TYPE_NAMES: tuple[str, ...] = RM_TYPES
 REWARD_TRANSFORM_NAMES: tuple[str, ...] = REWARD_TRANSFORMS
 
 
+@document_vllm_options
 @dataclass
-class HarmlessnessConfig(PtxConfigMixin, TwistTargetConfig):
+class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, TwistTargetConfig):
     r"""
     Configuration class for [`~trl_ext.HarmlessnessTrainer`], the RePULSe training loop: a policy `p_θ` trained with
     REINFORCE plus a term that pushes down the probability of its own low-reward outputs, found by a learned proposal
@@ -165,6 +167,15 @@ class HarmlessnessConfig(PtxConfigMixin, TwistTargetConfig):
             trl_ext addition. Run the training forward passes with each micro-batch's rows packed into one sequence
             (same losses and gradients; the attention is checked at start, see `PPOConfig`). Only with the
             parameterisations `policy_psi_q_p_s_t` / `policy_psi_q_p_s_1_to_t` and a twist loss other than DPG.
+        seed_per_row (`bool`, *optional*, defaults to `False`):
+            Draw each sampled token from a random stream keyed by (seed, rollout, global row, position) instead of
+            each process's own RNG: N processes then sample exactly what one process with an N× larger per-device
+            batch samples.
+        shared_prefix_rollouts (`bool`, *optional*, defaults to `True`):
+            With `num_samples_per_prompt > 1`, run each distinct prompt once and fan its key/value cache out to its
+            samples: in generation (the same logits, hence the same samples for a given seed) and, for fp32 models,
+            in the reference, separate-critic and reward-model scoring passes (the same numbers up to rounding).
+            `False`: every sample's prompt is run again.
 
         > Parameters that control the schedule and the models
 

@@ -37,6 +37,7 @@ from ...losses.weights import ORIGINAL_INDICATOR_THRESHOLD, sigma_weights
 from ...ops import kl_estimate, masked_sum
 from ...rewards import log_target_weight
 from ...rollout.data import left_padded
+from ...rollout.fsdp import call_as_root_forward
 from ...rollout.generator import (
     ReferencePolicy,
     Rollout,
@@ -168,12 +169,9 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
                 "order='p_then_q' and q_steps_per_p_step > 1 step one model inside a training step, which the "
                 "DeepSpeed engine cannot do; use order='q_then_p' with q_steps_per_p_step=1 under DeepSpeed."
             )
-        self._params = {
-            name: [p for p in module.parameters() if p.requires_grad]
-            for name, module in (("policy", policy), ("proposal", proposal))
-            if module is not None
-        }
         self._sampling = self._sampling_settings(args)
+        # One engine for p and q: each one's weights are loaded before its samples (docs/vllm.md).
+        self._build_vllm([m for m in (policy, proposal) if m is not None], always_sync=True)
         reward = RolloutReward(self.reward_model, self.tokenizer, uses_images=args.reward_uses_images)
         # kl_coef == 0 (not adaptive): p_0 is not scored (its only use besides the metrics is the KL term)
         self._generators = {"policy": self._generator(reward, None if self.kl_is_off else self.reference)}
@@ -198,6 +196,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         self.beta, self.alpha = self._schedule(0)
         self._ptx = build_ptx(args, pretrain_dataset, self.tokenizer, type(self).__name__)
         self._last_ptx: torch.Tensor | None = None
+        self._micro_step: int | None = None  # micro-steps so far (keys the rows' streams with seed_per_row)
 
     # ------------------------------------------------------------------------------------------------ setup
     def _generator(self, reward: RolloutReward, reference: ReferencePolicy | None) -> RolloutGenerator:
@@ -258,6 +257,8 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         """One micro-step on one batch of prompts: rollouts, rewards, the proposal's and the policy's losses and
         backward passes (and, per the module docs, the optimizer step of one of the two models)."""
         args = self.args
+        if self._micro_step is None:  # a fresh or resumed run: micro-steps of the optimizer steps done
+            self._micro_step = self.state.global_step * args.gradient_accumulation_steps
         self.guard_optimizer_steps()  # non-finite losses/gradients skip the optimizer step (`common/finite.py`)
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
@@ -271,8 +272,8 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         vision = {"vision": inputs["vision"].to(device)} if inputs.get("vision") is not None else {}
         scale = 1.0 / self.current_gradient_accumulation_steps
         self._timings = {"proposal_step": 0.0, "policy_step": 0.0}
-        for _ in range(args.q_steps_per_p_step - 1):
-            self._proposal_only_step(model, prompt_ids, prompt_mask, **vision)
+        for extra in range(args.q_steps_per_p_step - 1):
+            self._proposal_only_step(model, prompt_ids, prompt_mask, **vision, stream=2 + extra)
         rollouts = self.rollout(model, prompt_ids, prompt_mask, **vision)
         self._update_policy_reward_normalizer(rollouts.policy)
         rewards = self.compute_rewards(rollouts)
@@ -297,7 +298,11 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         if self.accelerator.sync_gradients:  # the policy's optimizer step follows: one update of the KL controller
             self._update_kl_controller()
         loss = p_out.loss.detach() + (q_out.loss.loss.detach() if q_out is not None else 0.0)
+        self._micro_step += 1
         return loss * scale
+
+    def _start_training(self, resume_from_checkpoint: str | None) -> None:
+        self._micro_step = None
 
     def _update_kl_controller(self) -> None:
         """Feed the update's mean per-sequence KL to ``p_0`` (``base/kl``, averaged over its micro-steps and the
@@ -307,9 +312,10 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         if micro_steps:
             self.kl_controller.update(kl_sum / micro_steps, samples)
 
-    def _proposal_only_step(self, model: nn.Module, prompt_ids, prompt_mask, vision=None) -> None:
-        """An extra proposal update on fresh proposal samples (``q_steps_per_p_step > 1``; no accumulation)."""
-        rollout = self._sample("proposal", model, prompt_ids, prompt_mask, vision)
+    def _proposal_only_step(self, model: nn.Module, prompt_ids, prompt_mask, vision=None, stream: int = 2) -> None:
+        """An extra proposal update on fresh proposal samples (``q_steps_per_p_step > 1``; no accumulation);
+        ``stream``: the samples' stream with ``seed_per_row``."""
+        rollout = self._sample("proposal", model, prompt_ids, prompt_mask, vision, stream=stream)
         log_phi = self._target_log_phi(rollout.scores)
         if self._negdata is not None:
             self._negdata.add(rollout, rollout.scores, step=self.state.global_step, source="proposal")
@@ -375,11 +381,20 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         kwargs = {"scale_wrt_gas": False} if self.is_deepspeed_enabled else {}
         self.accelerator.backward(loss, **kwargs)
 
+    def _trained_params(self) -> dict[str, list[nn.Parameter]]:
+        """``{"policy": [...], "proposal": [...]}``: the trainable parameters of each model as the trained module
+        holds them *now* (FSDP2 replaces the parameters by sharded ones when the model is prepared, so a list taken
+        at construction would name stale tensors)."""
+        wrapper = self._wrapper
+        modules = (("policy", wrapper.policy), ("proposal", wrapper.proposal))
+        return {name: [p for p in m.parameters() if p.requires_grad] for name, m in modules if m is not None}
+
     def _step_only(self, part: str) -> None:
         """Clip (``max_grad_norm``) and step the parameters of one model; the other model's gradients are set
         aside meanwhile and this model's are cleared afterwards."""
-        params = self._params[part]
-        others = [p for name, ps in self._params.items() if name != part for p in ps]
+        trained = self._trained_params()
+        params = trained[part]
+        others = [p for name, ps in trained.items() if name != part for p in ps]
         stashed = [(p, p.grad) for p in others if p.grad is not None]
         for p, _ in stashed:
             p.grad = None
@@ -400,16 +415,20 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         """``log p_θ`` of the current policy on ``rollout``'s samples, no gradient, eval mode (chunked)."""
         policy = self.policy
         with eval_mode(policy):
-            with self.accelerator.autocast():
-                return self._logprobs_of(policy, rollout)
+            with self.accelerator.autocast():  # below an FSDP2 root: run as its forward (`rollout/fsdp.py`)
+                return call_as_root_forward(self._wrapper, self._logprobs_of, policy, rollout)
 
     def _logprobs_of(self, model: nn.Module, rollout: Rollout) -> torch.Tensor:
         return rollout_logprobs(model, rollout, self.args.local_rollout_forward_batch_size, self.args.temperature)
 
     # ------------------------------------------------------------------------------------------ public hooks
-    def _sample(self, part: str, model: nn.Module, prompt_ids, prompt_mask, vision=None) -> Rollout:
+    def _sample(self, part: str, model: nn.Module, prompt_ids, prompt_mask, vision=None, stream=None) -> Rollout:
+        """``part``'s samples; with ``seed_per_row`` from the rows' own streams (:meth:`rollout_row_keys`: stream 0
+        for the policy, 1 for the proposal, ``stream`` when given) keyed by the micro-step."""
+        stream = stream if stream is not None else {"policy": 0, "proposal": 1}[part]
+        keys = self.rollout_row_keys(prompt_ids.shape[0], self._micro_step or 0, stream)
         with self._wrapper.acting_as(part):
-            return self._generators[part](model, prompt_ids, prompt_mask, vision=vision)
+            return self._generators[part](model, prompt_ids, prompt_mask, vision=vision, row_keys=keys)
 
     def rollout(self, model: nn.Module, prompt_ids, prompt_mask, vision=None) -> HarmlessnessRollouts:
         """Sample ``num_samples_per_prompt`` responses per left-padded prompt from the policy (scored by the
@@ -432,8 +451,9 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         """``N`` negatives per prompt by twisted SMC towards σ, the proposal as twist (`smc_negatives`)."""
         args, sampling = self.args, self._sampling
         generator = self._generators["proposal"]
-        return smc_negatives(
-            self.policy, self.proposal, args.parameterization, generator.reward, self._target_log_phi,
+        return call_as_root_forward(
+            self._wrapper, smc_negatives, self.policy, self.proposal, args.parameterization, generator.reward,
+            self._target_log_phi,
             prompt_ids, prompt_mask, num_particles=args.num_samples_per_prompt,
             max_new_tokens=sampling.max_new_tokens, stop_token_ids=list(sampling.stop_token_ids or []),
             pad_token_id=sampling.pad_token_id, resampling=args.smc_resampling, ess_threshold=args.smc_ess_threshold,
@@ -492,7 +512,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         """``log p_0`` on ``rollout``'s samples, in eval mode (for the proposal samples' returns of ``neg_reinforce``,
         and for ``evaluate``'s KL when the rollouts score no reference)."""
         with self.reference.module(self.policy) as reference, self.accelerator.autocast(), eval_mode(reference):
-            return self._logprobs_of(reference, rollout)
+            return call_as_root_forward(self._wrapper, self._logprobs_of, reference, rollout)
 
     def compute_proposal_loss(self, model: nn.Module, rollout: Rollout, log_phi: torch.Tensor) -> TwistLossOutput:
         """The proposal's twist loss (``proposal_loss_type``, ``parameterization``) on its own samples, towards

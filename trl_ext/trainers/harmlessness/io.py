@@ -35,6 +35,8 @@ class HarmlessnessTrainerIO:
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # Checkpoints keep the policy in HF format at the root and the proposal in proposal/ (see checkpoint.py);
         # optimizer (both groups), scheduler, RNG and trainer state are still restored by `Trainer`.
+        if self.is_fsdp_enabled:  # FSDP2's sharded weights: `Trainer` reloads its own full copy of the trained module
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
         wrapper = self.accelerator.unwrap_model(model if model is not None else self.model)
         ckpt.load_policy_and_proposal(wrapper.policy, wrapper.proposal, resume_from_checkpoint)
 
@@ -80,9 +82,10 @@ class HarmlessnessTrainerIO:
         loader = self._eval_dataloader(dataset, collate_fn=self.data_collator)
         scores, kls = [], []
         with forked_rng():
-            for batch in loader:
+            for index, batch in enumerate(loader):
                 ids, mask = left_padded(batch["input_ids"], batch.get("attention_mask"), self.tokenizer.pad_token_id)
-                rollout = self._sample("policy", self.model_wrapped, ids, mask, batch.get("vision"))
+                with self.evaluation_row_keys(index):  # seed_per_row: the eval batches' own streams
+                    rollout = self._sample("policy", self.model_wrapped, ids, mask, batch.get("vision"))
                 ref = rollout.ref_logprobs
                 if ref is None:  # kl_coef == 0: training rollouts skip p_0, evaluation still reports the KL
                     ref = self._reference_logprobs(rollout)
@@ -139,7 +142,7 @@ class HarmlessnessTrainerIO:
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add the metrics collected since the last log (and the proposal's learning rate) to `Trainer`'s logs."""
         if not any(key.startswith("eval_") for key in logs):
-            logs.update(self._metrics.pop())
+            logs.update(self._metrics.pop(self._gather_object()))  # every process's metrics
             if self.optimizer is not None and "learning_rate" in logs and self.proposal is not None:
                 # `learning_rate` is the policy's, read before the scheduler's step; the proposal's follows it.
                 initial = {g.get("part"): g.get("initial_lr", g["lr"]) for g in self.optimizer.param_groups}

@@ -14,6 +14,7 @@ from ...losses.reinforce import BASELINES
 from ...ops.kl import KL_ESTIMATORS
 from ..common.online_config import OnlineConfig
 from ..common.ptx_config import PtxConfigMixin
+from ..common.vllm_config import VLLMConfigMixin, document_vllm_options
 
 __all__ = ["PPOConfig", "ACTOR_LOSS_KINDS", "REINFORCE_BASELINES"]
 
@@ -23,8 +24,9 @@ ACTOR_LOSS_KINDS: tuple[str, ...] = ("policy", "reinforce")
 REINFORCE_BASELINES: tuple[str, ...] = ("none", "rloo", "hardcoded")
 
 
+@document_vllm_options
 @dataclass
-class PPOConfig(PtxConfigMixin, OnlineConfig):
+class PPOConfig(VLLMConfigMixin, PtxConfigMixin, OnlineConfig):
     r"""
     Configuration class for [`~trl_ext.PPOTrainer`].
 
@@ -84,6 +86,15 @@ class PPOConfig(PtxConfigMixin, OnlineConfig):
             implementation that keeps packed rows apart (`sdpa`, `eager`, `flex_attention`, `flash_attention_2`;
             checked when the trainer starts). It pays off with flash-attention's varlen kernels on GPU; with
             `sdpa`/`eager` the attention mask of `N` packed tokens is a dense `N × N`.
+        seed_per_row (`bool`, *optional*, defaults to `False`):
+            Draw each sampled token from a random stream keyed by (seed, rollout, global row, position) instead of
+            each process's own RNG: N processes then sample exactly what one process with an N× larger per-device
+            batch samples.
+        shared_prefix_rollouts (`bool`, *optional*, defaults to `True`):
+            With `num_samples_per_prompt > 1`, run each distinct prompt once and fan its key/value cache out to its
+            samples: in generation (the same logits, hence the same samples for a given seed) and, for fp32 models,
+            in the reference, separate-critic and reward-model scoring passes (the same numbers up to rounding).
+            `False`: every sample's prompt is run again.
 
         > Parameters that control the rewards
 
@@ -243,6 +254,8 @@ class PPOConfig(PtxConfigMixin, OnlineConfig):
     > gradient checkpointing on, and `bf16` on when `fp16` is off *and a GPU (or XPU) is present*; on a CPU-only
     > machine `bf16` defaults to `False` (TRL's default would refuse to start there).
     """
+
+    _supports_vllm_is_correction = True  # the IS ratios weigh the advantages (`PPOTrainer.compute_policy_loss`)
 
     # ------------------------------------------------------------------------------------- TrainingArguments
     learning_rate: float = field(default=3e-6, metadata={"help": "The initial learning rate for AdamW."})

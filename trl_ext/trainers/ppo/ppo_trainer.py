@@ -49,6 +49,7 @@ from ..common.manifest import naming_file
 from ..common.metrics import PPOMetrics, rollout_metrics
 from ..common.online import OnlineTrainerMixin, evaluates_with_ema, forked_rng
 from ..common.ptx import build_ptx
+from ..common.vllm_setup import importance_corrected_advantages
 from .compat import TRL112Attributes
 from .experience import Experience, minibatch_counts, padded_lengths, ppo_schedule, schedule_position
 from .policy_value import PolicyAndValueModel, build_ppo_models
@@ -190,6 +191,7 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
                 "policy fits on one GPU."
             )
         self._sampling = self._sampling_settings(args)
+        self._build_vllm([policy])
         self.rollout_generator = self._rollout_generator(
             RolloutReward(self.reward_model, self.tokenizer, uses_images=args.reward_uses_images),
             None if self.kl_is_off else self.reference, policy_of=lambda m: m.policy, with_values=wrapper.has_critic,
@@ -247,6 +249,8 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         # `Trainer`'s loader expects one weight file for the module it trains; PPO checkpoints keep the policy in HF
         # format at the root and the critic in value_model/ (see `checkpoint.py`). Optimizer, scheduler, RNG and
         # trainer state are still restored by `Trainer`.
+        if self.is_fsdp_enabled:  # FSDP2's sharded weights: `Trainer` reloads its own full copy of the trained module
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
         wrapper = self.accelerator.unwrap_model(model if model is not None else self.model)
         ckpt.load_policy_and_value(wrapper.policy, wrapper.value_model, resume_from_checkpoint)
 
@@ -319,6 +323,7 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
             inputs["input_ids"], inputs.get("attention_mask"), self.tokenizer.pad_token_id
         )
         rollout_index = self._micro_step // self._micro_steps_per_rollout
+        self._rollout_index = rollout_index  # keys the rows' random streams with seed_per_row (`rollout`)
         vision = {"vision": inputs["vision"].to(device)} if inputs.get("vision") is not None else {}
         rollout = self._drop_nonfinite(self.rollout(model, prompt_ids.to(device), prompt_mask.to(device), **vision))
         # normalize_reward: once per rollout, before its rewards (the dropped samples left out)
@@ -330,6 +335,7 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         self._metrics.scalars["objective/kl_coef"] = self.kl_controller.value  # the coefficient of these rewards
         self._update_kl_controller(rewards.kl, rollout.response_mask)
         advantages, returns = self.compute_advantages(rollout, rewards)
+        advantages = importance_corrected_advantages(self.args, rollout, advantages, self._metrics)  # use_vllm
         schedule = self._schedule(rollout_index, rollout)
         normalizers = self._normalizers(rollout.response_mask, schedule, rollout.dropped)
         value_mask = value_normalizers = None
@@ -401,8 +407,10 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
     def rollout(self, model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, vision=None) -> Rollout:
         """Sample ``num_samples_per_prompt`` responses per left-padded prompt and score them (see
         :class:`~trl_ext.rollout.generator.RolloutGenerator`); ``vision``: the prompts' image inputs (passed only
-        with images). Override to change how experience is collected."""
-        return self.rollout_generator(model, prompt_ids, prompt_mask, vision=vision)
+        with images). With ``seed_per_row`` each row samples from its own stream (:meth:`rollout_row_keys`). Override
+        to change how experience is collected."""
+        keys = self.rollout_row_keys(prompt_ids.shape[0], getattr(self, "_rollout_index", 0))
+        return self.rollout_generator(model, prompt_ids, prompt_mask, vision=vision, row_keys=keys)
 
     def score_mask(self, response_mask: torch.Tensor) -> torch.Tensor:
         """The positions the rewards (and, with a critic, the returns and the value loss) cover: the response mask,
@@ -417,8 +425,9 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         value, :attr:`kl_controller`: ``kl_coef`` unless ``kl_target`` is set) on every response token, plus
         the score (clipped to ``reward_clip``) at the last position of :meth:`score_mask` (the last response token;
         one later with ``score_position="after_last_token"``, `trl_ext.ops.assemble_token_rewards`); whitened (mean
-        kept) over that mask with ``whiten_rewards``. With ``normalize_reward`` the score is first normalised with
-        the running statistics (:meth:`normalized_scores`; updated with this rollout's scores before this call).
+        kept) over that mask of every process with ``whiten_rewards``. With ``normalize_reward`` the score is first
+        normalised with the running statistics (:meth:`normalized_scores`; updated with this rollout's scores before
+        this call).
         A rollout without reference log-probs (``kl_coef == 0``, :attr:`kl_is_off`) gets a KL of 0."""
         args, mask = self.args, rollout.response_mask
         if rollout.ref_logprobs is None:
@@ -436,14 +445,15 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         if rollout.dropped is not None:
             rewards, non_score = rewards * (score_mask != 0), non_score * (score_mask != 0)
         if args.whiten_rewards:
-            rewards = masked_whiten(rewards, score_mask, shift_mean=False)
+            rewards = masked_whiten(rewards, score_mask, shift_mean=False, reduce=self._sum_over_processes())
         return PPORewards(rewards, non_score, kl)
 
     def compute_advantages(self, rollout: Rollout, rewards: PPORewards) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(advantages, returns)``, both ``(B, T)``.
 
         With a critic: GAE(``gamma``, ``lam``) on the rewards and the rollout's values over :meth:`score_mask`,
-        advantages whitened over the response tokens (`trl_ext.ops.gae_advantages`, `masked_whiten`); returns cover
+        advantages whitened over the response tokens of every process (`trl_ext.ops.gae_advantages`,
+        `masked_whiten`: N processes whiten as one holding all the rows, not each its own share); returns cover
         the score mask, as the value loss does. Without (REINFORCE-type losses): the
         sequence return (sum of the token rewards) minus ``reinforce_baseline`` computed per prompt group, the same
         value at every token of the sequence; ``returns`` is ``None``.
@@ -452,7 +462,7 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         score_mask = self.score_mask(mask)
         if rollout.values is not None:
             advantages, returns = gae_advantages(rewards.rewards, rollout.values, score_mask, args.gamma, args.lam)
-            return masked_whiten(advantages, mask), returns
+            return masked_whiten(advantages, mask, reduce=self._sum_over_processes()), returns
         returns_seq = masked_sum(rewards.rewards, score_mask, dim=-1)
         grouped = returns_seq.view(-1, rollout.num_samples_per_prompt)
         baseline = compute_baseline(grouped, args.reinforce_baseline, baseline_value=args.reinforce_baseline_value)
@@ -559,7 +569,7 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add the PPO metrics collected since the last log to `Trainer`'s logs (TRL's names, plus ``lr``)."""
         if not any(key.startswith("eval_") for key in logs):
-            logs.update(self._metrics.pop())
+            logs.update(self._metrics.pop(self._gather_object()))  # every process's metrics
             if "learning_rate" in logs:
                 logs["lr"] = logs["learning_rate"]
         super().log(logs, start_time)

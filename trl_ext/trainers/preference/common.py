@@ -401,9 +401,12 @@ class ExtraLossLogging:
         return "train" if self.model.training else "eval"
 
     def _record(self, name: str, value) -> None:
-        """Log a scalar (averaged over processes)."""
+        """Log a scalar: averaged over processes, or summed for a count (``.../count/...``: the rows of every
+        process)."""
         value = torch.as_tensor(value).detach().float().reshape(1).to(self.accelerator.device)
-        self._extra_metrics[self._mode()][name].append(self.accelerator.gather_for_metrics(value).mean().item())
+        gathered = self.accelerator.gather_for_metrics(value)
+        total = "count/" in name
+        self._extra_metrics[self._mode()][name].append((gathered.sum() if total else gathered.mean()).item())
 
     def _record_rows(self, name: str, values: torch.Tensor) -> None:
         """Log the mean of per-row values over every process's rows."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import trl
 
+from ..common.distributed import CpuFsdpMixin
 from ..common.finite import FiniteStepsArguments, FiniteStepsMixin
 from ..common.model_card import CompleteModelCard
 from ..common.precision import default_bf16_off_without_gpu
@@ -176,7 +177,9 @@ def _fill_missing_chosen(dataset, name: str, extra: ExtraLoss | None, extra_only
     return dataset.map(fill), "all" if none_at_all else "some"
 
 
-class DPOTrainer(CompleteModelCard, ExtraLossLogging, FiniteStepsMixin, VerifiedResumeMixin, trl.DPOTrainer):
+class DPOTrainer(
+    CompleteModelCard, ExtraLossLogging, FiniteStepsMixin, VerifiedResumeMixin, CpuFsdpMixin, trl.DPOTrainer
+):
     """`trl.DPOTrainer` with an optional extra loss from `trl_ext.losses` and support for rejected-only data.
 
     Arguments are those of `trl.DPOTrainer`; ``args`` is a trl_ext [`DPOConfig`] (a plain `trl.DPOConfig` works too,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import trl
 
+from ..common.distributed import CpuFsdpMixin
 from ..common.finite import FiniteStepsArguments, FiniteStepsMixin
 from ..common.model_card import CompleteModelCard
 from ..common.precision import default_bf16_off_without_gpu
@@ -90,7 +91,9 @@ class KTOConfig(FiniteStepsArguments, ExtraLossArguments, ResumeConfigMixin, trl
         self._check_extra_loss(needs_rejected_only=True, trainer="KTOTrainer")
 
 
-class KTOTrainer(CompleteModelCard, ExtraLossLogging, FiniteStepsMixin, VerifiedResumeMixin, trl.KTOTrainer):
+class KTOTrainer(
+    CompleteModelCard, ExtraLossLogging, FiniteStepsMixin, VerifiedResumeMixin, CpuFsdpMixin, trl.KTOTrainer
+):
     """`trl.KTOTrainer` with an optional extra loss on the undesirable rows.
 
     Arguments are those of `trl.KTOTrainer`; ``args`` is a trl_ext [`KTOConfig`] (a plain `trl.KTOConfig` works

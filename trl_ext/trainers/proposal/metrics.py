@@ -62,6 +62,11 @@ def proposal_diagnostics(
     }
 
 
+def _is_maximum(key: str) -> bool:
+    """Whether the metric ``key`` is a maximum over rows (combined over processes by taking the largest)."""
+    return key.startswith("max_") or key.endswith("logprob_diff")
+
+
 class ProposalMetrics:
     """Values collected between two `Trainer` logs; :meth:`pop` returns their means."""
 
@@ -72,13 +77,15 @@ class ProposalMetrics:
         self.values[key].append(float(value))
 
     def add_many(self, values: dict[str, torch.Tensor], prefix: str, gather=None) -> None:
-        """Record scalar tensors under ``prefix + name``, averaged over processes when ``gather`` (e.g.
-        ``accelerator.gather``) is given."""
+        """Record scalar tensors under ``prefix + name``, combined over processes when ``gather`` (e.g.
+        ``accelerator.gather``) is given: averaged, or the largest for a maximum (``max_*``, ``*logprob_diff``)."""
         if not values:
             return
         stacked = torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(()) for v in values.values()])
         if gather is not None:
-            stacked = gather(stacked.unsqueeze(0)).float().mean(0)
+            every = gather(stacked.unsqueeze(0)).float()
+            largest = torch.tensor([_is_maximum(key) for key in values], device=every.device)
+            stacked = torch.where(largest, every.max(0).values, every.mean(0))
         for key, value in zip(values, stacked.tolist()):
             self.add(prefix + key, value)
 

@@ -10,13 +10,15 @@ from ...losses import available_losses
 from ...models.twist import TWIST_PARAMETERIZATIONS
 from ...rewards import RewardShaping
 from ..common.online_config import TwistTargetConfig
+from ..common.vllm_config import VLLMConfigMixin, document_vllm_options
 from .twist_step import validate_twist_setup
 
 __all__ = ["ProposalConfig"]
 
 
+@document_vllm_options
 @dataclass
-class ProposalConfig(TwistTargetConfig):
+class ProposalConfig(VLLMConfigMixin, TwistTargetConfig):
     r"""
     Configuration class for [`~trl_ext.ProposalTrainer`].
 
@@ -92,6 +94,15 @@ class ProposalConfig(TwistTargetConfig):
             trl_ext addition. Run the training forward passes with each micro-batch's rows packed into one sequence
             (same losses and gradients; the attention is checked at start, see `PPOConfig`). Only with the
             parameterisations `policy_psi_q_p_s_t` / `policy_psi_q_p_s_1_to_t` and a twist loss other than DPG.
+        seed_per_row (`bool`, *optional*, defaults to `False`):
+            Draw each sampled token from a random stream keyed by (seed, rollout, global row, position) instead of
+            each process's own RNG: N processes then sample exactly what one process with an N× larger per-device
+            batch samples.
+        shared_prefix_rollouts (`bool`, *optional*, defaults to `True`):
+            With `num_samples_per_prompt > 1`, run each distinct prompt once and fan its key/value cache out to its
+            samples: in generation (the same logits, hence the same samples for a given seed) and, for fp32 models,
+            in the reference, separate-critic and reward-model scoring passes (the same numbers up to rounding).
+            `False`: every sample's prompt is run again.
 
         > Parameters that control the data and the run length
 

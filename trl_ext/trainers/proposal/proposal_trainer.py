@@ -35,6 +35,7 @@ from ...models.modulated import ModulatedCausalLM
 from ...models.modulated_utils import load_modulation_state_dict
 from ...models.twist import MODULATION_PARAMETERIZATIONS, modulation_kind_of
 from ...rollout.data import left_padded
+from ...rollout.fsdp import call_as_root_forward
 from ...rollout.generator import ReferencePolicy, Rollout, RolloutReward, generate_responses, supports_logits_to_keep
 from ..common import checkpoint as ckpt
 from ..common.checks import refuse_same_object
@@ -155,6 +156,7 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
             processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
         )  # fmt: skip
         self._sampling = self._sampling_settings(args)
+        self._build_vllm([model])
         reward = RolloutReward(self.reward_model, self.tokenizer)
         self.rollout_generator = self._rollout_generator(reward, self.reference)
         self._metrics = ProposalMetrics()
@@ -227,6 +229,8 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # `Trainer`'s loader expects the full weights of the module it trains; a modulation checkpoint holds only the
         # modulation, and transformers renames some keys on load. Optimizer, scheduler, RNG and state are Trainer's.
+        if self.is_fsdp_enabled:  # FSDP2's sharded weights: `Trainer` reloads its own full copy of the trained module
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
         q = self.accelerator.unwrap_model(model if model is not None else self.model)
         if isinstance(q, ModulatedCausalLM):
             result = q.load_state_dict(load_modulation_state_dict(resume_from_checkpoint, {}), strict=False)
@@ -296,9 +300,12 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
         start = time.perf_counter()
         unwrapped = self.accelerator.unwrap_model(model)
         with self.reference.module(unwrapped) as reference:
-            responses, response_mask, _ = generate_responses(
-                reference, ids, mask, self._sampling, self.args.local_rollout_forward_batch_size
-            )
+            keys = self.rollout_row_keys(prompt_ids.shape[0], self._micro_step or 0, stream=1)  # seed_per_row
+            responses, response_mask, _ = call_as_root_forward(  # under FSDP2, as the root's forward
+                unwrapped, generate_responses, reference, ids, mask, self._sampling,
+                self.args.local_rollout_forward_batch_size, row_keys=keys,
+                share_prompts=self.args.shared_prefix_rollouts,
+            )  # fmt: skip
         self._metrics.add("timing/reference_generation", time.perf_counter() - start)
         return {
             "input_ids": torch.cat([ids, responses], 1),
@@ -310,8 +317,10 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
     def rollout(self, model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Rollout:
         """Sample ``num_samples_per_prompt`` responses of ``q`` per left-padded prompt and score them: ``q``'s and
         ``p_ref``'s log-probs (eval mode, no grad) and the raw rewards (see
-        :class:`~trl_ext.rollout.generator.RolloutGenerator`). Override to change how samples are collected."""
-        return self.rollout_generator(model, prompt_ids, prompt_mask)
+        :class:`~trl_ext.rollout.generator.RolloutGenerator`). With ``seed_per_row`` each row samples from its own
+        stream, keyed by the micro-step (:meth:`rollout_row_keys`). Override to change how samples are collected."""
+        keys = self.rollout_row_keys(prompt_ids.shape[0], self._micro_step or 0)
+        return self.rollout_generator(model, prompt_ids, prompt_mask, row_keys=keys)
 
     def compute_rewards(self, rollout: Rollout) -> ProposalRewards:
         """Raw scores (``missing_eos_penalty`` already subtracted) → ``(R, log φ = β·R)`` with the config's
@@ -414,9 +423,10 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
         totals: dict[str, float] = {}
         batches = 0
         with forked_rng():
-            for batch in loader if loader is not None else []:
+            for index, batch in enumerate(loader if loader is not None else []):
                 ids, mask = left_padded(batch["input_ids"], batch["attention_mask"], self.tokenizer.pad_token_id)
-                rollout = self.rollout(self.model_wrapped, ids, mask)
+                with self.evaluation_row_keys(index):  # seed_per_row: the eval batches' own streams
+                    rollout = self.rollout(self.model_wrapped, ids, mask)
                 rewards = self.compute_rewards(rollout)
                 values = proposal_diagnostics(
                     rollout.logprobs, rollout.ref_logprobs, rewards.log_phi, rollout.response_mask,
