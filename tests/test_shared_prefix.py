@@ -157,7 +157,7 @@ def rows(tokenizer, arch="llama", T=6):
     return policy, ids, mask, responses, response_mask
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox", "gpt2"])
 def test_scoring_passes_equal_the_full_rows(tiny_tokenizer_pad_eos, arch):
     tok = tiny_tokenizer_pad_eos  # pad == eos: scores and values must still be read from the masks
     policy, ids, mask, responses, response_mask = rows(tok, arch)
