@@ -12,12 +12,14 @@ with their tiny example configs as a user runs them (AdamW, each process samplin
    process's RNG state), and ends with the uninterrupted run's weights (to ``1e-6``: the same computation) and its
    logged values at step 4; the final weights load with ``from_pretrained``.
 
-The default suite runs PPO under FSDP2; the other engines and RePULSe are `slow`.
+The default suite runs PPO under FSDP2; the other engines and RePULSe are `slow`. With ``TRL_EXT_MATRIX_RECORD``
+each case's time and weight difference are appended to that file (`bench/distributed_matrix.py --resume`).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -25,10 +27,12 @@ from distributed_helpers import (
     ENGINES,
     FAULT_INJECTION,
     HAS_DEEPSPEED,
+    RECORD_PATH,
     assert_loads_with_from_pretrained,
     launch,
     log_history,
     max_weight_difference,
+    record,
     saved_weights,
 )
 from online_helpers import EXAMPLES, RECIPES, REPO, build_tiny_inputs
@@ -64,6 +68,18 @@ def _args(name: str, output_dir: Path, *extra: str) -> list[str]:
 
 @pytest.mark.parametrize(("name", "engine"), list(_cases()))
 def test_resume_after_a_kill_mid_save_continues_the_uninterrupted_run(name, engine, tmp_path):
+    row = {"kind": "resume", "trainer": name, "engine": engine, "default": (name, engine) in DEFAULT, "status": "fail"}
+    start = time.perf_counter()
+    try:
+        row["weights"] = _kill_and_resume(name, engine, tmp_path)
+        row["status"] = "pass"
+    finally:
+        row["seconds"] = round(time.perf_counter() - start, 1)
+        record(RECORD_PATH, row)
+
+
+def _kill_and_resume(name: str, engine: str, tmp_path: Path) -> float:
+    """The three runs of the module docs; returns the largest weight difference of the resumed run."""
     workdir = build_tiny_inputs(tmp_path)
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     launch(workdir, engine, _args(name, whole))
@@ -92,3 +108,4 @@ def test_resume_after_a_kill_mid_save_continues_the_uninterrupted_run(name, engi
         a, b = float(last_whole[key]), float(last_resumed[key])
         assert abs(a - b) <= 1e-5 * abs(a) + 1e-7, f"step 4 {key}: {a!r} uninterrupted, {b!r} resumed"
     assert_loads_with_from_pretrained(broken, name)
+    return diff

@@ -2,8 +2,8 @@
 
 Each test starts two training processes (~15-20 s on two cores); the ZeRO-3 one is marked `slow`. The DeepSpeed tests
 need DeepSpeed, installable on a CPU machine without its CUDA kernels:
-`DS_BUILD_OPS=0 pip install --no-build-isolation "deepspeed>=0.17,<0.20"`; they are skipped without it. FSDP is not
-tested here: on a CPU, accelerate runs an FSDP configuration as plain multi-CPU DDP.
+`DS_BUILD_OPS=0 pip install --no-build-isolation "deepspeed>=0.17,<0.20"`; they are skipped without it. FSDP2 and the
+other trainers are in `test_distributed_matrix.py`.
 
 Each checks that the two processes really formed one job (a silent failure mode on CPU: without `--use_cpu true`
 each process finds no GPU and trains alone), and that the saved policy loads with `from_pretrained`.
