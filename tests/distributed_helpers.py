@@ -10,7 +10,7 @@ processes under one of the engines of `accelerate_configs/`, and what is compare
 - :func:`saved_weights`, :func:`log_history`, :func:`assert_equivalent`: the comparison of two runs.
 
 Every run uses `--optim sgd`: an SGD step is linear in the gradient, so two runs that compute the same gradients end
-with weights equal to float rounding (measured: ~1e-8 on moves of ~1e-3), while Adam's first steps turn rounding noise
+with weights equal to float rounding (measured: ~1e-8 on moves of ~1e-2), while Adam's first steps turn rounding noise
 in near-zero gradients into full ±lr steps (`bench/results/distributed_matrix.md`). Online trainers run with
 ``seed_per_row``.
 """
