@@ -406,16 +406,20 @@ class TwistTargetConfig(OnlineConfig):
         """The name of the proposal's twist loss (``None``: no proposal is trained); subclasses say which field."""
         return None
 
+    def _twist_uses_logprobs_only(self, loss: str) -> bool:
+        """Whether the twist loss ``loss`` with this ``parameterization`` reads only ``q``'s token log-probs (so it
+        may run padding-free); the subclasses that train a twist answer from the proposal trainer's twist step."""
+        return True
+
     def _validate(self) -> None:
         super()._validate()
         self._check_choice("loss_aggregation", AGGREGATIONS)
         self._check_choice("rm_type", RM_TYPES)
         from ...losses import available_losses
-        from ..proposal.twist_step import twist_uses_logprobs_only  # (the proposal trainer's module: not at import)
 
         loss = self._twist_loss_type()
         if self.padding_free and loss in available_losses("twist"):
-            if not twist_uses_logprobs_only(self.parameterization, loss):
+            if not self._twist_uses_logprobs_only(loss):
                 self._fail(
                     f"padding_free=True needs a twist read from token log-probs alone; parameterization="
                     f"{self.parameterization!r} with the twist loss {loss!r} needs the proposal's logits. Use "

@@ -446,6 +446,11 @@ class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, TwistTargetConfig):
         """Whether the policy loss has a term on σ-weighted (proposal) samples."""
         return self.loss_type != "reinforce" and get_loss_spec(self.loss_type).kind == "harmlessness"
 
+    def _twist_uses_logprobs_only(self, loss: str) -> bool:
+        from ..proposal.twist_step import twist_uses_logprobs_only  # not imported with the config
+
+        return twist_uses_logprobs_only(self.parameterization, loss)
+
     def _twist_loss_type(self) -> str | None:
         try:
             return self.proposal_loss_type if self.uses_proposal_model else None

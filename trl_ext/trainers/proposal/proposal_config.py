@@ -195,6 +195,11 @@ class ProposalConfig(VLLMConfigMixin, TwistTargetConfig):
     push_to_hub: bool = field(default=False, metadata={"help": "Whether to push the proposal to the Hub."})
 
     # ------------------------------------------------------------------------------------------- checks
+    def _twist_uses_logprobs_only(self, loss: str) -> bool:
+        from .twist_step import twist_uses_logprobs_only  # not imported with the config
+
+        return twist_uses_logprobs_only(self.parameterization, loss)
+
     def _twist_loss_type(self) -> str | None:
         return self.loss_type
 
