@@ -31,6 +31,7 @@ from ..models.lora import is_peft_model
 from ..models.value_head import AutoModelForCausalLMWithValueHead
 from ..ops.logprobs import DEFAULT_CHUNK_SIZE, logprobs_from_logits
 from ..ops.sequences import position_ids_from_attention_mask
+from .shared_prefix import distinct_prompts
 from .vision import VisionInputs, add_vision_inputs
 
 __all__ = ["HIDDEN_PATH_MIN_BYTES", "PolicyOutput", "causal_lm_outputs", "forward_response", "supports_logits_to_keep"]
@@ -179,6 +180,17 @@ def _scored(model, route, split, layout: _Layout, T, temperature, chunk_size, re
     return logprobs, entropy, getattr(out, "value", None)
 
 
+def _shares_prompt(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, T: int) -> bool:
+    """Whether ``model`` (a module holding several models, maybe DDP-wrapped) can run the rows' repeated prompts
+    once: it says it can, and some prompt (the columns before the last ``T``) repeats."""
+    inner = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
+    can = getattr(inner, "can_share_prompt", None)
+    if not callable(can) or input_ids.shape[1] <= T or not can():
+        return False
+    P = input_ids.shape[1] - T
+    return distinct_prompts(input_ids[:, :P], attention_mask[:, :P]) is not None
+
+
 def forward_response(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -192,6 +204,7 @@ def forward_response(
     vision: VisionInputs | None = None,
     padding_free: bool = False,
     hidden_logprobs: bool | None = None,
+    shared_prefix: bool = False,
 ) -> PolicyOutput:
     """Log-probs (and values, entropies) of the last ``response_length`` tokens of ``prompt + response`` rows.
 
@@ -205,7 +218,9 @@ def forward_response(
     models). ``padding_free``: run the rows packed into one sequence (see the module docs; not with ``vision``).
     ``hidden_logprobs``: ``True`` scores from hidden states whenever the model allows it, ``False`` never, ``None``
     (default) without gradients or with a frozen LM head, and with gradients into the head when the logits would
-    take ``HIDDEN_PATH_MIN_BYTES`` or more.
+    take ``HIDDEN_PATH_MIN_BYTES`` or more. ``shared_prefix``: when rows repeat a prompt, a module holding several
+    models that can (``model.can_share_prompt()``, e.g. PPO's policy and critic) runs each distinct prompt once and
+    its responses on the copied cache (see :mod:`~trl_ext.rollout.shared_prefix`; padded rows only).
     """
     T = response_length
     if padding_free and vision is not None:
@@ -218,6 +233,8 @@ def forward_response(
         if hidden_logprobs is None:  # a frozen head (LoRA): the gradient is formed in the forward pass, no recompute
             hidden_logprobs = not (torch.is_grad_enabled() and head_trains) or logits_bytes >= HIDDEN_PATH_MIN_BYTES
         route = route if hidden_logprobs else "logits"
+        if shared_prefix and not padding_free and _shares_prompt(model, input_ids, attention_mask, T):
+            layout.kwargs["shared_prompt_length"] = input_ids.shape[1] - T
     logprobs, entropy, value = _scored(
         model, route, split, layout, T, temperature, chunk_size, return_entropy, return_values, vision
     )

@@ -15,6 +15,9 @@ floating-point rounding (~1e-6 in fp32; both are then the same cached-attention 
   the same order, so a seeded run samples the same tokens as without sharing.
 - :func:`shared_prompt_logprobs` (reference log-probs), :func:`shared_prompt_values` (a separate critic's values) and
   :func:`shared_prompt_scores` (a reward model's scores): the prompt with the cache kept, then the responses on it.
+- :func:`hidden_with_shared_prompt`: the same two passes *with* gradients, for the training forward
+  (``PPOConfig.shared_prefix_training``): the gradient of every row's loss flows back through the copied cache into
+  the one prompt pass, so the summed gradient equals the unshared one's up to rounding.
 
 Every function returns ``None`` when it cannot share (no repeated prompt in the rows, a one-token prompt, a model
 whose forward returns no cache, a prompt-learning PEFT model, an encoder reward model); the caller then runs the
@@ -37,6 +40,8 @@ from ..ops.sequences import last_token_index, position_ids_from_attention_mask
 
 __all__ = [
     "distinct_prompts",
+    "can_share_prompt",
+    "hidden_with_shared_prompt",
     "prefill_prompts",
     "shared_prompt_logprobs",
     "shared_prompt_scores",
@@ -127,6 +132,31 @@ def _prompt_then_responses(module: nn.Module, prompt_ids, prompt_mask, response_
     positions = position_ids_from_attention_mask(full_mask)[:, prompt_ids.shape[1] :]
     response_out, _ = _cached_forward(module, response_ids, full_mask, positions, cache)
     return prompt_out, response_out, inverse
+
+
+def hidden_with_shared_prompt(
+    backbone: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int
+) -> torch.Tensor | None:
+    """``(B, T + 1, H)`` last hidden states of ``backbone`` on ``prompt + response`` rows (left-padded prompts in the
+    first ``prompt_length`` columns) at the last prompt position and the ``T`` response positions — the last
+    ``T + 1`` positions of one pass over the rows — with each distinct prompt run once; ``None`` when no prompt
+    repeats or the backbone returns no cache. Gradients flow, through the copied cache into the prompt pass."""
+    P = prompt_length
+    shared = _prompt_then_responses(
+        backbone, input_ids[:, :P], attention_mask[:, :P], input_ids[:, P:], attention_mask[:, P:]
+    )
+    if shared is None:
+        return None
+    prompt_out, response_out, inverse = shared
+    return torch.cat([prompt_out.last_hidden_state[:, -1:][inverse], response_out.last_hidden_state], dim=1)
+
+
+def can_share_prompt(backbone: nn.Module) -> bool:
+    """Whether :func:`hidden_with_shared_prompt` can run ``backbone`` (its forward takes a cache; PEFT models pass
+    it on) and the cache is kept (no activation checkpointing, which turns ``use_cache`` off while training)."""
+    if getattr(backbone, "is_activation_checkpointing", False):
+        return False
+    return _takes(backbone, "past_key_values") or is_peft_model(backbone)
 
 
 @torch.no_grad()

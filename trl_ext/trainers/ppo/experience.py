@@ -15,7 +15,14 @@ import torch
 
 from ...rollout.generator import Rollout
 
-__all__ = ["Experience", "minibatch_counts", "padded_lengths", "ppo_schedule", "schedule_position"]
+__all__ = [
+    "Experience",
+    "minibatch_counts",
+    "padded_lengths",
+    "ppo_schedule",
+    "schedule_position",
+    "shared_prefix_group_size",
+]
 
 
 def ppo_schedule(
@@ -25,6 +32,7 @@ def ppo_schedule(
     gradient_accumulation_steps: int,
     seed: int,
     lengths: torch.Tensor | None = None,
+    group_size: int = 1,
 ) -> list[torch.Tensor]:
     """Row indices of every micro-step: ``num_ppo_epochs × num_mini_batches × gradient_accumulation_steps`` index
     tensors; epoch ``e`` uses the permutation of a generator seeded with ``seed + e``.
@@ -32,7 +40,20 @@ def ppo_schedule(
     With ``lengths`` (``(batch_size,)`` row lengths), the rows of each minibatch are ordered by length (stable sort of
     the shuffled rows) before being cut into micro-batches: rows of similar length share a micro-batch, whose
     all-padding columns :meth:`Experience.micro_batch` then drops. Minibatches themselves are unchanged.
+
+    With ``group_size = N > 1`` (rows ``[g·N, (g+1)·N)`` are one prompt's samples) the permutation, the minibatches
+    and the micro-batches are of whole groups (groups ordered by their longest row with ``lengths``), so a
+    micro-batch can run each prompt once (``shared_prefix_training``); with one minibatch it is the same minibatch.
     """
+    if group_size > 1:
+        if batch_size % group_size:
+            raise ValueError(f"batch_size={batch_size} is not a multiple of group_size={group_size}.")
+        groups = ppo_schedule(
+            batch_size // group_size, num_ppo_epochs, num_mini_batches, gradient_accumulation_steps, seed,
+            lengths=None if lengths is None else lengths.detach().cpu().view(-1, group_size).amax(1),
+        )  # fmt: skip
+        offsets = torch.arange(group_size)
+        return [(g.unsqueeze(1) * group_size + offsets).reshape(-1) for g in groups]
     per_minibatch = batch_size // num_mini_batches
     lengths = None if lengths is None else lengths.detach().cpu()
     out = []
@@ -43,6 +64,39 @@ def ppo_schedule(
                 minibatch = minibatch[torch.sort(lengths[minibatch], stable=True).indices]
             out.extend(minibatch.tensor_split(gradient_accumulation_steps))
     return out
+
+
+def shared_prefix_group_size(args, model) -> int:
+    """The ``group_size`` of :func:`ppo_schedule` under ``args.shared_prefix_training`` for the
+    `PolicyAndValueModel` ``model``: ``num_samples_per_prompt`` when the training forward runs each group's prompt
+    once, else 1. ``None`` (auto) turns it on only where nothing else changes; ``True`` raises when it cannot be."""
+    setting, N = args.shared_prefix_training, args.num_samples_per_prompt
+    if setting is False or N < 2:
+        return 1
+    groups = args.per_device_train_batch_size * args.gradient_accumulation_steps // N
+    per_minibatch = groups // args.num_mini_batches if groups % args.num_mini_batches == 0 else 0
+    reasons = []
+    if per_minibatch < args.gradient_accumulation_steps:
+        reasons.append(
+            f"each of the num_mini_batches={args.num_mini_batches} minibatches must hold a whole number of prompt "
+            f"groups, at least gradient_accumulation_steps={args.gradient_accumulation_steps} (one a micro-batch); "
+            f"a rollout holds {groups} groups of num_samples_per_prompt={N}"
+        )
+    if args.padding_free:
+        reasons.append("padding_free=True packs the rows instead")
+    if not model.can_share_prompt():
+        reasons.append(
+            "the policy (or the separate critic) cannot run a prompt once for its rows: activation checkpointing is "
+            "on, or the policy is not scored through its LM head (modulated, vision-language, soft-capped logits, "
+            "prompt-learning PEFT, ZeRO-3/FSDP-sharded head)"
+        )
+    if setting is None:
+        fp32 = all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+        exact = args.num_mini_batches == 1 and fp32 and not (args.bf16 or args.fp16)
+        return N if exact and not reasons else 1
+    if reasons:
+        raise ValueError("shared_prefix_training=True cannot be used: " + "; ".join(reasons) + ". Set it to None.")
+    return N
 
 
 def padded_lengths(prompt_mask: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

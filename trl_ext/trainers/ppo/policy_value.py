@@ -20,9 +20,11 @@ from transformers.utils import ModelOutput
 
 from ...models.critic import get_token_values
 from ...models.lora import is_peft_model, reference_is_base_with_adapters_disabled
+from ...models.reward import _decoder_parts, apply_reward_normalization
 from ...models.value_head import AutoModelForCausalLMWithValueHead, prepare_value_head_for_peft
 from ...ops.sequences import position_ids_from_attention_mask
 from ...rollout.generator import ReferencePolicy, causal_lm_outputs, supports_logits_to_keep
+from ...rollout.shared_prefix import can_share_prompt, hidden_with_shared_prompt
 from ..common.model_parts import ModelParts, add_adapters, shares_parameters
 
 __all__ = ["PolicyAndValueModel", "PolicyValueOutput", "build_ppo_models", "has_value_head"]
@@ -86,6 +88,7 @@ class PolicyAndValueModel(ModelParts):
         temperature: float = 1.0,
         chunk_size: int | None = None,
         return_entropy: bool = False,
+        shared_prompt_length: int | None = None,
         **model_inputs,
     ) -> PolicyValueOutput:
         """Policy logits and, with a critic and ``return_values``, values ``(B, L)`` for every position.
@@ -94,7 +97,17 @@ class PolicyAndValueModel(ModelParts):
         With ``token_labels`` ``(B, K)`` (the token each of the last ``K`` positions predicts, ``-100``: none; needs
         :meth:`lm_head_split`): ``logprobs`` (and with ``return_entropy`` the ``entropy``) of those labels at
         ``temperature`` from the policy's hidden states, chunked, and no logits. ``attention_mask=None`` with
-        per-row ``position_ids``: rows packed into one sequence (padding-free)."""
+        per-row ``position_ids``: rows packed into one sequence (padding-free).
+
+        With ``shared_prompt_length=P`` (rows ``prompt + response``, left-padded prompts in the first ``P`` columns;
+        needs :meth:`can_share_prompt`): each distinct prompt is run once by the policy and by the critic and its
+        cache copied to its rows (:func:`~trl_ext.rollout.shared_prefix.hidden_with_shared_prompt`); the outputs
+        then cover the last ``T + 1 = L − P + 1`` positions only (logits, labels and values alike)."""
+        if shared_prompt_length:
+            return self._shared_prompt_forward(
+                input_ids, attention_mask, shared_prompt_length, return_values and self.has_critic, token_labels,
+                temperature, chunk_size, return_entropy,
+            )  # fmt: skip
         kwargs = self._causal_lm_kwargs(input_ids, attention_mask, position_ids, use_cache, logits_to_keep)
         kwargs.update(model_inputs)
         want_values = return_values and self.has_critic
@@ -114,6 +127,51 @@ class PolicyAndValueModel(ModelParts):
         if want_values:
             value = out.value if self.use_policy_value_head else self._critic(kwargs)
         return PolicyValueOutput(logits=logits, value=value)
+
+    def can_share_prompt(self) -> bool:
+        """Whether :meth:`forward` can take ``shared_prompt_length``: the policy is scored through its LM head
+        (:meth:`lm_head_split`) and its backbone, like a separate critic's (a ``*ForSequenceClassification``-style
+        decoder), keeps a key/value cache (no activation checkpointing, no prompt-learning PEFT)."""
+        split = self.lm_head_split()
+        if split is None or not can_share_prompt(split.backbone):
+            return False
+        if self.value_model is not None:
+            parts = _decoder_parts(self.value_model)
+            return parts is not None and can_share_prompt(parts[0])
+        return True
+
+    def _shared_prompt_forward(
+        self, input_ids, attention_mask, prompt_length, want_values, token_labels, temperature, chunk_size, entropy
+    ) -> PolicyValueOutput:
+        """:meth:`forward` with each distinct prompt run once (see there); falls back to the whole rows when no
+        prompt repeats."""
+        split = self.lm_head_split()
+        hidden = hidden_with_shared_prompt(split.backbone, input_ids, attention_mask, prompt_length)
+        if hidden is None:  # no prompt repeats in these rows
+            T = input_ids.shape[1] - prompt_length
+            keep = 0 if token_labels is not None else T + 1
+            return self.forward(
+                input_ids, attention_mask, position_ids_from_attention_mask(attention_mask), False, keep,
+                want_values, token_labels, temperature, chunk_size, entropy,
+            )  # fmt: skip
+        value = None
+        if want_values and self.use_policy_value_head:
+            value = split.values(hidden)
+        elif want_values:
+            backbone, head = _decoder_parts(self.value_model)
+            apply_reward_normalization(self.value_model)
+            critic_hidden = hidden_with_shared_prompt(backbone, input_ids, attention_mask, prompt_length)
+            value = head(critic_hidden)
+            if value.shape[-1] != 1:
+                raise ValueError(f"A critic needs a single-output head; got {value.shape[-1]} outputs.")
+            value = value[..., 0].float()
+        if token_labels is None:
+            return PolicyValueOutput(logits=split.head(hidden), value=value)
+        logprobs, ent = split.token_logprobs(
+            hidden[:, -token_labels.shape[-1] :], token_labels, temperature=temperature, chunk_size=chunk_size,
+            return_entropy=entropy,
+        )  # fmt: skip
+        return PolicyValueOutput(value=value, logprobs=logprobs, entropy=ent)
 
     def _critic(self, kwargs: dict) -> torch.Tensor:
         """``(B, L)`` values of the separate value model (packed rows: ``attention_mask=None`` with position ids)."""

@@ -145,6 +145,14 @@ class PPOConfig(VLLMConfigMixin, PtxConfigMixin, OnlineConfig):
             Order the rows of each minibatch by length before cutting it into micro-batches, so that each
             micro-batch carries less padding. The minibatch, its loss and its gradient are unchanged (up to
             floating-point summation order); only which rows share a micro-batch changes.
+        shared_prefix_training (`bool` or `None`, *optional*, defaults to `None`):
+            trl_ext addition. With `num_samples_per_prompt > 1`, micro-batches hold whole prompt groups and the
+            training forward runs each group's prompt once (policy and separate critic; the gradient reaches the
+            prompt through the copied key/value cache): same losses and gradients up to rounding, fewer FLOPs.
+            `None`: on where nothing else changes (one minibatch per epoch, fp32 without mixed precision, no
+            `padding_free`, a model that keeps a cache: no activation checkpointing, scored through its LM head);
+            `True`: also with several minibatches, which then hold whole groups (a different random split);
+            `False`: off.
         step_unit (`str`, *optional*, defaults to `"update"`):
             trl_ext addition. What `logging_steps`, `save_steps`, `eval_steps` and `max_steps` count: `"update"` (a
             rollout and all its optimizer steps, TRL 1.12's cadence: one log row per update) or `"optimizer_step"`.
@@ -375,6 +383,15 @@ class PPOConfig(VLLMConfigMixin, PtxConfigMixin, OnlineConfig):
         metadata={
             "help": "Order the rows of each minibatch by length before cutting it into micro-batches (less padding "
             "per micro-batch; the minibatch gradient is unchanged)."
+        },
+    )
+    shared_prefix_training: bool | None = field(
+        default=None,
+        metadata={
+            "help": "With num_samples_per_prompt > 1: micro-batches hold whole prompt groups and the training "
+            "forward runs each group's prompt once (same gradient up to rounding). None: on where nothing else "
+            "changes (one minibatch, fp32, no padding_free, a model that keeps a cache); True: also with several "
+            "minibatches (they then hold whole groups); False: off."
         },
     )
     step_unit: str = field(

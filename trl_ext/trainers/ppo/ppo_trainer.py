@@ -51,7 +51,14 @@ from ..common.online import OnlineTrainerMixin, evaluates_with_ema, forked_rng
 from ..common.ptx import build_ptx
 from ..common.vllm_setup import importance_corrected_advantages
 from .compat import TRL112Attributes
-from .experience import Experience, minibatch_counts, padded_lengths, ppo_schedule, schedule_position
+from .experience import (
+    Experience,
+    minibatch_counts,
+    padded_lengths,
+    ppo_schedule,
+    schedule_position,
+    shared_prefix_group_size,
+)
 from .policy_value import PolicyAndValueModel, build_ppo_models
 from .ppo_config import PPOConfig
 
@@ -201,6 +208,7 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         self._micro_step: int | None = None
         self._experience: Experience | None = None
         self._actor_frozen = False
+        self._group_size = shared_prefix_group_size(args, wrapper)
         self._ptx = build_ptx(args, pretrain_dataset, self.tokenizer, type(self).__name__)
 
     # ------------------------------------------------------------------------------------------------ setup
@@ -388,8 +396,8 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
             args.num_mini_batches,
             args.gradient_accumulation_steps,
             seed,
-            lengths=lengths,
-        )
+            lengths=lengths, group_size=self._group_size,
+        )  # fmt: skip
 
     def _normalizers(
         self, mask: torch.Tensor, schedule: list[torch.Tensor], dropped: torch.Tensor | None = None
@@ -511,7 +519,7 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         out = forward_response(
             model, inputs["input_ids"], inputs["attention_mask"], mask.shape[1], temperature=self.args.temperature,
             return_values=uses_critic, return_entropy=True, vision=inputs.get("vision"),
-            padding_free=self.args.padding_free,
+            padding_free=self.args.padding_free, shared_prefix=self._group_size > 1,
         )  # fmt: skip
         policy = self.compute_policy_loss(out.logprobs, inputs, inputs["normalizer"])
         loss = policy.loss
