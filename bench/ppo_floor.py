@@ -14,7 +14,8 @@ compares, each as an interleaved A/B of medians:
 
 1. **a training micro-step**: `PPOTrainer.compute_loss` + backward on a real micro-batch (policy and critic forward,
    fused log-probs/entropies, PPO and value losses, metrics) against a bare forward + backward of the same two models
-   on the same rows with a trivial loss;
+   on the same rows with a trivial loss (with `shared_prefix_training` on, as at `--samples-per-prompt 4`, the bare
+   side also runs each distinct prompt once: the floor of the same work);
 2. **generation**: `generate_responses` (`transformers`' `generate` with our sampler, which also records the
    log-probs) against a bare loop of cached forward passes of the policy picking the argmax;
 3. **scoring**: the rollout's no-grad passes (`RolloutGenerator` with the sampled responses given: reference
@@ -78,7 +79,9 @@ def training_step_vs_bare(trainer, model, inputs, rounds: int) -> dict:
     import torch
 
     from trl_ext.models.critic import get_token_values
+    from trl_ext.models.reward import _decoder_parts
     from trl_ext.ops.sequences import position_ids_from_attention_mask
+    from trl_ext.rollout.shared_prefix import hidden_with_shared_prompt
 
     model.train()
     ids, mask = inputs["input_ids"], inputs["attention_mask"]
@@ -96,7 +99,17 @@ def training_step_vs_bare(trainer, model, inputs, rounds: int) -> dict:
         values = get_token_values(model.value_model, ids, mask)
         (logits.logsumexp(-1).mean() + values.mean()).backward()
 
-    ours_s, bare_s = ab_medians(ours, bare, rounds)
+    def bare_shared():
+        """The same two models with each distinct prompt run once (what ``shared_prefix_training`` computes)."""
+        P = ids.shape[1] - width
+        split = model.lm_head_split()
+        logits = split.head(hidden_with_shared_prompt(split.backbone, ids, mask, P))
+        backbone, head = _decoder_parts(model.value_model)
+        values = head(hidden_with_shared_prompt(backbone, ids, mask, P))
+        (logits.logsumexp(-1).mean() + values.mean()).backward()
+
+    shared = getattr(trainer, "_group_size", 1) > 1
+    ours_s, bare_s = ab_medians(ours, bare_shared if shared else bare, rounds)
     model.zero_grad(set_to_none=True)
     with torch.profiler.profile(with_flops=True) as prof:
         for _ in range(4):
@@ -109,6 +122,7 @@ def training_step_vs_bare(trainer, model, inputs, rounds: int) -> dict:
     flops = sum(e.flops for e in matmul)
     return {
         "rows x width": f"{ids.shape[0]} x {ids.shape[1]}",
+        "bare": "shared prompt (each distinct prompt once)" if shared else "whole rows",
         "ours_s": ours_s,
         "bare_s": bare_s,
         "matmul_share": matmul_us / total_us,

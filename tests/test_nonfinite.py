@@ -84,6 +84,11 @@ def test_finite_checks_of_gradients_and_weights():
     assert grads_are_finite(layer.parameters())  # no gradient at all
     layer(torch.ones(1, 2)).sum().backward()
     assert grads_are_finite(layer.parameters())
+    layer.weight.grad.fill_(3e19)  # finite, but the squares overflow: the L2 fast path defers to the exact check
+    assert grads_are_finite(layer.parameters())
+    layer.weight.grad[0, 1] = NAN
+    assert not grads_are_finite(layer.parameters())
+    layer.weight.grad.zero_()
     layer.bias.grad[0] = INF
     assert not grads_are_finite(layer.parameters())
     check_finite_weights(layer)

@@ -11,10 +11,11 @@ import contextlib
 from collections.abc import Iterator
 
 from torch.utils.data import DataLoader
+from transformers import TrainerCallback
 
 from ...models.lora import is_peft_model
 
-__all__ = ["TRL112Attributes"]
+__all__ = ["TRL112Attributes", "UpdateCadence"]
 
 
 class TRL112Attributes:
@@ -62,3 +63,17 @@ class TRL112Attributes:
         """Updates between two printed sample tables (``num_total_batches // num_sample_generations``, at least 1;
         ``0`` when ``num_sample_generations=0``). 1.12 stored it on ``args``; trl_ext sets it there too."""
         return self._sample_every
+
+
+class UpdateCadence(TrainerCallback):
+    """With ``step_unit="update"``: `logging_steps`, `save_steps` and `eval_steps` count PPO updates (TRL 1.12's
+    cadence: one log row per update, checkpoints between rollouts). `Trainer` steps once per optimizer step, so the
+    absolute step counts it derived from the arguments are multiplied by the optimizer steps of an update (recomputed
+    from the arguments, so a resumed state is not scaled twice)."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        factor = getattr(args, "optimizer_steps_per_unit", 1)
+        for kind in ("logging", "eval", "save"):
+            steps = getattr(args, f"{kind}_steps", None)
+            if steps is not None and steps >= 1 and factor > 1:
+                setattr(state, f"{kind}_steps", int(steps) * factor)

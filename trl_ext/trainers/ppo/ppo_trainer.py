@@ -24,7 +24,6 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
-from transformers import TrainerCallback
 from trl.trainer.base_trainer import _BaseTrainer
 
 from ...losses import LossOutput, get_loss, get_loss_spec
@@ -50,7 +49,7 @@ from ..common.metrics import PPOMetrics, rollout_metrics
 from ..common.online import OnlineTrainerMixin, evaluates_with_ema, forked_rng
 from ..common.ptx import build_ptx
 from ..common.vllm_setup import importance_corrected_advantages
-from .compat import TRL112Attributes
+from .compat import TRL112Attributes, UpdateCadence
 from .experience import (
     Experience,
     minibatch_counts,
@@ -76,20 +75,6 @@ class PPORewards(NamedTuple):
     """The KL part ``−kl_coef·kl_t``."""
     kl: torch.Tensor
     """The per-token KL estimate (``kl_estimator``)."""
-
-
-class _UpdateCadence(TrainerCallback):
-    """With ``step_unit="update"``: `logging_steps`, `save_steps` and `eval_steps` count PPO updates (TRL 1.12's
-    cadence: one log row per update, checkpoints between rollouts). `Trainer` steps once per optimizer step, so the
-    absolute step counts it derived from the arguments are multiplied by the optimizer steps of an update (recomputed
-    from the arguments, so a resumed state is not scaled twice)."""
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        factor = getattr(args, "optimizer_steps_per_unit", 1)
-        for kind in ("logging", "eval", "save"):
-            steps = getattr(args, f"{kind}_steps", None)
-            if steps is not None and steps >= 1 and factor > 1:
-                setattr(state, f"{kind}_steps", int(steps) * factor)
 
 
 class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
@@ -247,8 +232,8 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         )  # fmt: skip
 
     def _start_training(self, resume_from_checkpoint: str | None) -> None:
-        if not any(isinstance(c, _UpdateCadence) for c in self.callback_handler.callbacks):
-            self.add_callback(_UpdateCadence())
+        if not any(isinstance(c, UpdateCadence) for c in self.callback_handler.callbacks):
+            self.add_callback(UpdateCadence())
         self._resume_path = resume_from_checkpoint
         self._micro_step, self._experience = None, None
         self._train_start, self._episode_start = time.time(), None
