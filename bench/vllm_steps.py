@@ -64,10 +64,10 @@ def repulse_worker(assets: dict, engine: str, updates: int) -> dict:
     """``updates`` RePULSe updates (the first a warm-up) on the PPO job's models; time each one."""
     import torch
     from datasets import Dataset
+    from repulse_speed import RESPONSE_LENGTH, method_options, train_top_layers
     from transformers import TrainerCallback
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    from repulse_speed import RESPONSE_LENGTH, method_options, train_top_layers
     from trl_ext.models import load_causal_lm, load_reward_model
     from trl_ext.trainers.harmlessness.harmlessness_config import HarmlessnessConfig
     from trl_ext.trainers.harmlessness.harmlessness_trainer import HarmlessnessTrainer
