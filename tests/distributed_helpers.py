@@ -178,11 +178,11 @@ def launch(
     return proc
 
 
-def run_cell(workdir: Path, name: str, engine: str | None, output_dir: Path) -> Run:
-    """One run of trainer ``name`` (2 processes under ``engine``, or 1 process with ``engine=None``); checks that it
-    ran as one job on that engine."""
+def run_cell(workdir: Path, name: str, engine: str | None, output_dir: Path, extra: tuple[str, ...] = ()) -> Run:
+    """One run of trainer ``name`` (2 processes under ``engine``, or 1 process with ``engine=None``), with the recipe
+    options ``extra`` added; checks that it ran as one job on that engine."""
     start = time.perf_counter()
-    proc = launch(workdir, engine, recipe_args(name, output_dir, 1 if engine is None else 2))
+    proc = launch(workdir, engine, [*recipe_args(name, output_dir, 1 if engine is None else 2), *extra])
     seconds = time.perf_counter() - start
     output = proc.stdout + proc.stderr
     expected = "on 1 process" if engine is None else f"on 2 processes ({ENGINES[engine].label})"

@@ -15,6 +15,10 @@ checks that
   trainers sample with ``seed_per_row``, so both runs draw the same responses.
 
 The default suite keeps one cell per trainer, covering every engine (:data:`DEFAULT_CELLS`); the other 21 are `slow`.
+:func:`test_frozen_models_placement` runs the online trainers with their frozen models placed the other way
+(``frozen_models_placement``): PPO under FSDP2 with ``sharded`` (default suite), RePULSe under FSDP2 with
+``sharded`` and PPO under ZeRO-3 with ``replicated`` (`slow`), each equivalent to the 1-process run and to the same
+engine's run with the default placement.
 The RePULSe cells also check the rank-dependent parts of the run on its negative-data JSONL (every sample is saved):
 written once, by the main process, with the same rows as the 1-process run, and every prompt sampled by exactly one
 process per epoch. :func:`test_processes_sample_from_their_own_random_streams` checks that, without ``seed_per_row``,
@@ -93,12 +97,28 @@ def one_process_runs(workdir):
     return get
 
 
+@pytest.fixture(scope="module")
+def two_process_runs(workdir):
+    """The 2-process runs (trainer, engine, extra recipe options), made on first use and shared by the module's
+    tests."""
+    runs = {}
+
+    def get(name: str, engine: str, *extra: str):
+        key = (name, engine, extra)
+        if key not in runs:
+            folder = "-".join([name, engine, *(a.lstrip("-") for a in extra)])
+            runs[key] = run_cell(workdir, name, engine, workdir / "runs" / folder, extra)
+        return runs[key]
+
+    return get
+
+
 @pytest.mark.parametrize(("name", "engine"), list(_cells()))
-def test_cell_runs_saves_and_matches_one_process(name, engine, workdir, one_process_runs):
+def test_cell_runs_saves_and_matches_one_process(name, engine, workdir, one_process_runs, two_process_runs):
     start = time.perf_counter()
     row = {"trainer": name, "engine": engine, "default": (name, engine) in DEFAULT_CELLS, "status": "fail"}
     try:
-        two = run_cell(workdir, name, engine, workdir / "runs" / f"{name}-{engine}")
+        two = two_process_runs(name, engine)
         row["seconds"] = round(two.seconds, 1)
         assert_loads_with_from_pretrained(two.output_dir, name)
         one = one_process_runs(name)
@@ -109,6 +129,30 @@ def test_cell_runs_saves_and_matches_one_process(name, engine, workdir, one_proc
     finally:
         row.setdefault("seconds", round(time.perf_counter() - start, 1))
         record(RECORD_PATH, row)
+
+
+# ------------------------------------------------------------------------------------------ frozen-model placement
+FROZEN_PLACEMENT_CELLS = [
+    pytest.param("ppo", "fsdp2", "sharded", id="ppo-fsdp2-sharded"),
+    pytest.param("repulse", "fsdp2", "sharded", marks=pytest.mark.slow, id="repulse-fsdp2-sharded"),
+    pytest.param("ppo", "zero3", "replicated", marks=[pytest.mark.slow, NEEDS_DEEPSPEED], id="ppo-zero3-replicated"),
+]
+
+
+@pytest.mark.parametrize(("name", "engine", "placement"), FROZEN_PLACEMENT_CELLS)
+def test_frozen_models_placement(name, engine, placement, workdir, one_process_runs, two_process_runs):
+    """The online trainer ``name`` with ``--frozen_models_placement placement`` on 2 processes under ``engine``: its
+    frozen models are placed that way (the recipe says whether they ended up sharded), it trains, saves models that
+    load, and ends with the weights and logs of the 1-process run and of the same engine's run with the default
+    placement (replicated under FSDP2, sharded under ZeRO-3), within the cells' tolerances. PPO's frozen models are a
+    reference and a reward model (scored through its backbone and head), RePULSe's the reference ``p_0``."""
+    run = two_process_runs(name, engine, "--frozen_models_placement", placement)
+    assert ("frozen models sharded" in run.output) == (placement == "sharded"), run.output[-3000:]
+    assert_loads_with_from_pretrained(run.output_dir, name)
+    assert_equivalent(workdir, name, one_process_runs(name).output_dir, run.output_dir)
+    default = two_process_runs(name, engine)
+    assert ("frozen models sharded" in default.output) == (engine == "zero3")
+    assert_equivalent(workdir, name, default.output_dir, run.output_dir)
 
 
 # ------------------------------------------------------------------------------------------- rank-dependent parts

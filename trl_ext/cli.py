@@ -473,11 +473,13 @@ def seed_run(training_args) -> None:
 
 def processes_text(trainer) -> str:
     """``"1 process"`` / ``"N processes (engine)"``: how many processes trained and how (:func:`engine_name`), for the
-    recipes' summary lines."""
+    recipes' summary lines; ``", frozen models sharded"`` follows when an online trainer sharded its frozen models
+    (``frozen_models_placement``)."""
     processes = trainer.accelerator.num_processes
     if processes == 1:
         return "1 process"
-    return f"{processes} processes ({engine_name(trainer.accelerator)})"
+    sharded = ", frozen models sharded" if getattr(trainer, "frozen_models_sharded", False) else ""
+    return f"{processes} processes ({engine_name(trainer.accelerator)}){sharded}"
 
 
 def engine_name(accelerator) -> str:

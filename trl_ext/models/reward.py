@@ -32,6 +32,7 @@ from torch import nn
 
 from ..ops.sequences import last_token_index, position_ids_from_attention_mask
 from ..utils import require_peft, unwrap_model
+from .fsdp import call_as_root_forward
 from .quantization import bnb_4bit_config, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -198,7 +199,18 @@ def get_token_scores(
         )
     apply_reward_normalization(model)
     backbone, head = parts
+    # The backbone and the head are below the model: an FSDP2-sharded model runs them as its forward (`fsdp.py`).
+    return call_as_root_forward(model, _head_on_backbone, backbone, head, input_ids, attention_mask, position_ids)
+
+
+def _head_on_backbone(backbone, head, input_ids, attention_mask, position_ids=None) -> torch.Tensor:
     return head(_backbone_hidden(backbone, input_ids, attention_mask, position_ids))
+
+
+def _head_at_last_token(backbone, head, input_ids, attention_mask, **model_kwargs) -> torch.Tensor:
+    hidden = _backbone_hidden(backbone, input_ids, attention_mask, **model_kwargs)
+    idx = last_token_index(attention_mask).to(hidden.device)
+    return head(hidden[torch.arange(hidden.shape[0], device=hidden.device), idx])
 
 
 def get_sequence_scores(
@@ -210,7 +222,9 @@ def get_sequence_scores(
     The index comes from the attention mask, never from token ids, so the score is read at the right place for left
     and right padding and when the pad token is the eos token (a real final eos is scored at the eos). Positions are
     computed from the mask, so a left-padded row scores like the same row unpadded. Encoder models (BERT-style, a
-    ``classifier`` on the pooled first token) are called as they are. Normalisation from the config is applied.
+    ``classifier`` on the pooled first token) are called as they are. Normalisation from the config is applied. An
+    FSDP2-sharded model (e.g. a frozen reward model with ``frozen_models_placement="sharded"``) runs its backbone and
+    head as its own forward, so that its root weights are gathered (`trl_ext.models.fsdp`).
 
     Args:
         model: a ``*ForSequenceClassification`` model with one label, a :class:`ValueHeadRewardModel`, or either
@@ -229,10 +243,10 @@ def get_sequence_scores(
     if parts is None:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs).logits
     else:
-        backbone, head = parts
-        hidden = _backbone_hidden(backbone, input_ids, attention_mask, **model_kwargs)
-        idx = last_token_index(attention_mask).to(hidden.device)
-        logits = head(hidden[torch.arange(hidden.shape[0], device=hidden.device), idx])
+        backbone, head = parts  # below the model: an FSDP2-sharded one runs them as its forward (`fsdp.py`)
+        logits = call_as_root_forward(
+            model, _head_at_last_token, backbone, head, input_ids, attention_mask, **model_kwargs
+        )
     if logits.shape[-1] != 1:
         raise ValueError(
             f"A reward model must have a single output; this one has {logits.shape[-1]} (num_labels). Combine the "

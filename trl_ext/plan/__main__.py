@@ -75,7 +75,8 @@ class PlanArguments:
         default="auto",
         metadata={
             "help": f"Frozen models under zero3/fsdp2: {', '.join(FROZEN_PLACEMENTS)}. 'auto' is what the trainers "
-            "do: sharded under zero3, and under fsdp2 for DPO/KTO/KD; replicated for the online trainers under fsdp2."
+            "do by default: sharded under zero3, and under fsdp2 for DPO/KTO/KD; replicated for the online trainers "
+            "under fsdp2. 'sharded'/'replicated': the online trainers' frozen_models_placement of the same name."
         },
     )
     ds3_gather_for_generation: bool = field(

@@ -27,7 +27,10 @@ fsdp2      4 with bf16 (accelerate     same as weights, ``/N`` ``2 ×`` weights,
   sharded by FSDP2 or ZeRO).
 - Frozen models (reference, reward, teacher): replicated under ddp and zero2; under zero3 DeepSpeed shards them
   (``trl.models.prepare_deepspeed``); under fsdp2 the offline trainers (DPO, KTO, KD) shard them
-  (``prepare_fsdp``) and the online ones (PPO, RePULSe, proposal) keep a replica (``frozen_placement="auto"``).
+  (``prepare_fsdp``) and the online ones (PPO, RePULSe, proposal) keep a replica. ``frozen_placement="auto"`` is
+  that: the online trainers' default, ``frozen_models_placement="auto"``; ``"sharded"`` / ``"replicated"`` plan
+  their other choices under zero3 and fsdp2 (under ddp and zero2, where the trainers refuse ``"sharded"``, the
+  frozen models are counted replicated).
 - Transient: under zero3 the online trainers gather the whole trained module for generation
   (``ds3_gather_for_generation``: policy + critic for PPO, policy + proposal for RePULSe); zero3 and fsdp2 unshard
   one block at a time in training (counted as 2 × the largest block: the current one and the prefetched next).

@@ -1,4 +1,5 @@
-"""Running a part of an FSDP2-sharded model outside its ``forward``: generation, critic values, a PEFT reference.
+"""Running a part of an FSDP2-sharded model outside its ``forward``: generation, critic values, a PEFT reference, a
+sharded frozen reward model (implemented in `trl_ext.models.fsdp`, re-exported here).
 
 Under FSDP2 (``fully_shard``, `accelerate_configs/fsdp2.yaml`) the trained module is sharded in place: each
 transformer block all-gathers its own weights in a forward pre-hook and frees them afterwards, and the root module's
@@ -11,47 +12,17 @@ and DTensor``), and the first block to run would wrongly become the root.
 `torch.distributed.fsdp.register_fsdp_forward_method`; the blocks below still gather their weights one module at a
 time. :func:`is_fsdp_sharded` tells generation to keep every process stepping until all are done (``synced_gpus``),
 since each step's all-gathers need every process.
+
+Frozen models sharded with ``frozen_models_placement="sharded"`` (`trl_ext.trainers.common.frozen`) are FSDP2 roots
+of their own: the reference is always run through its own forward (:func:`~trl_ext.models.lm_head.split_lm_head`
+refuses ``DTensor`` weights, so the scoring takes the logits path), a reward model's backbone-then-head scoring runs
+as the reward model's forward (:func:`~trl_ext.models.reward.get_sequence_scores`), and the shared-prefix passes
+(:mod:`.shared_prefix`), whose number of forward calls depends on each process's rows, are not used on them (every
+process must make the same calls, since each one all-gathers).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from ..models.fsdp import call_as_root_forward, is_fsdp_root, is_fsdp_sharded
 
-from torch import nn
-
-__all__ = ["call_as_root_forward", "is_fsdp_sharded"]
-
-_METHOD = "_trl_ext_call_as_forward"
-
-
-def _fsdp_module_class():
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return None
-    return FSDPModule
-
-
-def is_fsdp_sharded(model: nn.Module) -> bool:
-    """Whether ``model`` or one of its submodules is sharded with FSDP2 (``fully_shard``)."""
-    cls = _fsdp_module_class()
-    return cls is not None and any(isinstance(m, cls) for m in model.modules())
-
-
-def _call(fn: Callable, *args, **kwargs):
-    return fn(*args, **kwargs)
-
-
-def call_as_root_forward(root: nn.Module, fn: Callable, *args, **kwargs) -> Any:
-    """``fn(*args, **kwargs)``, run as if it were ``root.forward`` when ``root`` is an FSDP2 root module (its weights
-    gathered for the call, the root initialised as the root); a plain call otherwise."""
-    cls = _fsdp_module_class()
-    if cls is None or not isinstance(root, cls):
-        return fn(*args, **kwargs)
-    if _METHOD not in root.__dict__:
-        from torch.distributed.fsdp import register_fsdp_forward_method
-
-        object.__setattr__(root, _METHOD, _call)
-        register_fsdp_forward_method(root, _METHOD)
-    return getattr(root, _METHOD)(fn, *args, **kwargs)
+__all__ = ["call_as_root_forward", "is_fsdp_root", "is_fsdp_sharded"]

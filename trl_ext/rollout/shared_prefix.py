@@ -20,8 +20,10 @@ floating-point rounding (~1e-6 in fp32; both are then the same cached-attention 
   the one prompt pass, so the summed gradient equals the unshared one's up to rounding.
 
 Every function returns ``None`` when it cannot share (no repeated prompt in the rows, a one-token prompt, a model
-whose forward returns no cache, a prompt-learning PEFT model, an encoder reward model); the caller then runs the
-rows as they are.
+whose forward returns no cache, a prompt-learning PEFT model, an encoder reward model, an FSDP2-sharded model); the
+caller then runs the rows as they are. An FSDP2-sharded model (a frozen model with ``frozen_models_placement=
+"sharded"``) all-gathers its weights in every forward, so every process must make the same forward calls; whether
+rows share a prompt depends on each process's own rows, so such a model always runs its rows whole.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
+from ..models.fsdp import is_fsdp_sharded
 from ..models.lora import is_peft_model
 from ..models.reward import _decoder_parts, apply_reward_normalization
 from ..models.value_head import AutoModelForCausalLMWithValueHead
@@ -97,7 +100,7 @@ def prefill_prompts(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: tor
 
     The last prompt token is left to ``generate`` (it needs one uncached token to start from); it is always real in
     a left-padded row. ``model`` is what ``generate`` is called on, in eval mode."""
-    if prompt_ids.shape[1] < 2:
+    if prompt_ids.shape[1] < 2 or is_fsdp_sharded(model):
         return None
     distinct = distinct_prompts(prompt_ids, prompt_mask)
     module = _prefill_module(model)
@@ -178,6 +181,8 @@ def shared_prompt_logprobs(
     pass, ``logits_to_keep=1`` where the model takes it) for ``t = 0``, response position ``t − 1`` otherwise."""
     from .generator import supports_logits_to_keep  # (generator imports this module)
 
+    if is_fsdp_sharded(model):
+        return None
     keep = {"logits_to_keep": 1} if supports_logits_to_keep(model) else {}
     shared = _prompt_then_responses(model, prompt_ids, prompt_mask, response_ids, response_mask, **keep)
     if shared is None:
@@ -197,7 +202,7 @@ def _shared_hidden(model: nn.Module, prompt_ids, prompt_mask, response_ids, resp
     """``(head, hidden)``: a decoder score model's head and its backbone's ``(B, T + 1, H)`` last hidden states at
     the last prompt position and the ``T`` response positions; ``None`` when nothing is shared."""
     parts = _decoder_parts(model)
-    if parts is None:
+    if parts is None or is_fsdp_sharded(model):
         return None
     backbone, head = parts
     if not _takes(backbone, "past_key_values") and not is_peft_model(backbone):

@@ -2,13 +2,13 @@
 `HarmlessnessTrainer` share.
 
 Each of the three trains on responses it samples itself from prompt batches, so they set up and run the same way:
-check the inputs and the tokenizer, seed before building models, tokenise the prompt datasets, put the frozen
-reference and reward model next to the trained module, build the sampling settings and the rollout generator, hand
-`Trainer` a dataloader of prompt batches (:class:`~trl_ext.rollout.data.RolloutSampler`), resolve
-``resume_from_checkpoint`` to a *complete* checkpoint whose files match its manifest (`resume.py`), keep an EMA of
-the trained weights (``ema_beta``, `ema.py`), skip optimizer steps with a non-finite loss or gradient
-(`finite.py`), and save their models in HF format with a model card (never with NaN weights). Those steps are
-written here once; each trainer keeps its own models, losses and metrics.
+check the inputs and the tokenizer, seed before building models, tokenise the prompt datasets, place the frozen
+reference and reward model (sharded or replicated: ``frozen_models_placement``, `frozen.py`), build the sampling
+settings and the rollout generator, hand `Trainer` a dataloader of prompt batches
+(:class:`~trl_ext.rollout.data.RolloutSampler`), resolve ``resume_from_checkpoint`` to a *complete* checkpoint whose
+files match its manifest (`resume.py`), keep an EMA of the trained weights (``ema_beta``, `ema.py`), skip optimizer
+steps with a non-finite loss or gradient (`finite.py`), and save their models in HF format with a model card (never
+with NaN weights). Those steps are written here once; each trainer keeps its own models, losses and metrics.
 
 The mixin goes before `_BaseTrainer` in the bases (``class PPOTrainer(OnlineTrainerMixin, _BaseTrainer)``) and
 expects ``self.tokenizer``, ``self.reference``, ``self.ref_model`` and ``self.reward_model`` to be set.
@@ -29,7 +29,6 @@ from torch.utils.data import DataLoader
 from transformers.trainer_utils import enable_full_determinism, set_seed
 from trl.trainer import disable_dropout_in_model
 
-from ...models.offload import check_offloadable
 from ...models.padding_free import check_padding_free
 from ...models.quantization import keep_4bit_layers_trainable
 from ...rollout.data import (
@@ -55,6 +54,7 @@ from .checks import check_not_empty, check_prompts_fit_context, load_model_argum
 from .distributed import CpuFsdpMixin
 from .ema import EMA, EMACallback, load_ema, save_ema
 from .finite import FiniteStepsMixin
+from .frozen import FrozenModelsMixin
 from .kl_control import AdaptiveKLController, build_kl_controller
 from .metrics import log_completions_table, print_completions_table
 from .model_card import CompleteModelCard, write_text_atomically
@@ -121,7 +121,9 @@ def hub_push_errors(trainer, creating: bool = False) -> Iterator[None]:
         ) from err
 
 
-class OnlineTrainerMixin(FiniteStepsMixin, CompleteModelCard, VerifiedResumeMixin, CpuFsdpMixin, abc.ABC):
+class OnlineTrainerMixin(
+    FiniteStepsMixin, CompleteModelCard, VerifiedResumeMixin, CpuFsdpMixin, FrozenModelsMixin, abc.ABC
+):
     """Setup, data, resume and save steps shared by the online trainers (see the module docs)."""
 
     _config_class: type = object
@@ -226,7 +228,7 @@ class OnlineTrainerMixin(FiniteStepsMixin, CompleteModelCard, VerifiedResumeMixi
 
     def _init_trainer(self, model: nn.Module, tagged: nn.Module, args, data_collator=None, **kwargs) -> None:
         """`Trainer.__init__` on the trained module ``model`` (default collator: left-padded prompts), with the model
-        card tags on ``tagged``; then place the frozen models."""
+        card tags on ``tagged``; then place the frozen models (``frozen_models_placement``, `frozen.py`)."""
         if hasattr(tagged, "add_model_tags"):
             tagged.add_model_tags(self._tag_names)
         if data_collator is None:
@@ -234,63 +236,6 @@ class OnlineTrainerMixin(FiniteStepsMixin, CompleteModelCard, VerifiedResumeMixi
         keep_4bit_layers_trainable(model)  # a QLoRA policy/critic alternates eval-mode sampling and training
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
         self._place_frozen_models()
-
-    def _frozen_modules(self) -> dict[str, nn.Module]:
-        """``{attribute: module}`` of the frozen models to move next to the trained one."""
-        modules = {"ref_model": self.ref_model} if self.ref_model is not None else {}
-        if isinstance(self.reward_model, nn.Module):
-            modules["reward_model"] = self.reward_model
-        return modules
-
-    def _place_frozen_models(self) -> None:
-        """Put the frozen reference and reward model where the trained model is (DeepSpeed-prepared under
-        DeepSpeed). With ``ref_offload`` / ``reward_offload`` keep them on the CPU instead: the reference
-        (``self.reference.offload_device``) and the reward (:meth:`_rollout_generator`) move them to the accelerator
-        for their forward passes only (`trl_ext.models.offload`)."""
-        offloaded = self._offloaded_frozen_models()
-        for name, module in self._frozen_modules().items():
-            if name in offloaded:
-                module = module.to("cpu")
-            elif self.is_deepspeed_enabled:
-                from trl.models import prepare_deepspeed
-
-                module = prepare_deepspeed(module, self.accelerator)
-            else:
-                module = module.to(self.accelerator.device)
-            setattr(self, name, module)
-        device = self.accelerator.device
-        if self.ref_model is not None:
-            self.reference.model = self.ref_model
-            self.reference.offload_device = device if "ref_model" in offloaded else None
-        self._reward_offload_device = device if "reward_model" in offloaded else None
-        if isinstance(self.reward_model, nn.Module):
-            self.reward_model.eval()
-
-    def _offloaded_frozen_models(self) -> set[str]:
-        """The attributes (``ref_model``, ``reward_model``) of the frozen models to keep on the CPU (``ref_offload``,
-        ``reward_offload``), after checking that they can be."""
-        options = {"ref_model": "ref_offload", "reward_model": "reward_offload"}
-        wanted = {name for name, option in options.items() if getattr(self.args, option, False)}
-        if not wanted:
-            return set()
-        if self.is_deepspeed_enabled:
-            names = " and ".join(options[name] for name in sorted(wanted))
-            raise ValueError(
-                f"{names}=True is not supported under DeepSpeed: there the frozen models are DeepSpeed engines "
-                "(trl.models.prepare_deepspeed) and ZeRO has its own offload. Set them to False and use ZeRO-3 with "
-                "`offload_param: {device: cpu}` in the zero_optimization section of the DeepSpeed config instead."
-            )
-        frozen = self._frozen_modules()
-        for name in sorted(wanted - frozen.keys()):
-            logger.warning(
-                "%s=True does nothing here: there is no separate frozen %s to keep on the CPU (e.g. a reward function "
-                "or server, or a reference that is part of the trained model).", options[name],
-                name.replace("_", " "),
-            )  # fmt: skip
-        wanted &= frozen.keys()
-        for name in wanted:
-            check_offloadable(frozen[name], options[name])
-        return wanted
 
     def _sampling_settings(self, args) -> SamplingSettings:
         return SamplingSettings(

@@ -28,7 +28,10 @@ from .finite import FiniteStepsArguments
 from .precision import default_bf16_off_without_gpu
 from .resume_config import ResumeConfigMixin
 
-__all__ = ["OnlineConfig", "TwistTargetConfig"]
+__all__ = ["FROZEN_MODEL_PLACEMENTS", "OnlineConfig", "TwistTargetConfig"]
+
+FROZEN_MODEL_PLACEMENTS = ("auto", "sharded", "replicated")
+"""The values of ``frozen_models_placement`` (`trl_ext.trainers.common.frozen`)."""
 
 
 @dataclass
@@ -101,6 +104,13 @@ class OnlineConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
             the cost of host-to-device copies. Not under DeepSpeed (use ZeRO's `offload_param`).
         reward_offload (`bool`, *optional*, defaults to `False`):
             The same for a reward *model* (`nn.Module`); nothing to do for reward functions or servers.
+        frozen_models_placement (`str`, *optional*, defaults to `"auto"`):
+            Where the separate frozen reference and the reward model live: `"auto"` (sharded under DeepSpeed ZeRO-3,
+            a full copy on every device otherwise), `"sharded"` (ZeRO-3: a ZeRO-3 engine; FSDP2: sharded one
+            transformer block at a time and gathered block by block in each scoring pass; refused under DDP,
+            ZeRO-1/2 and one process, where nothing shards weights) or `"replicated"` (a full copy on every device,
+            also under ZeRO-3: faster scoring, no all-gathers). Shard frozen models that do not fit replicated.
+            `"sharded"` excludes `ref_offload` / `reward_offload`.
 
         > Parameters that control the EMA of the weights
 
@@ -255,6 +265,19 @@ class OnlineConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
         },
     )
 
+    frozen_models_placement: str = field(
+        default="auto",
+        metadata={
+            "help": "Where the separate frozen reference and the reward model live: 'auto' (sharded under DeepSpeed "
+            "ZeRO-3, a full copy on every device otherwise), 'sharded' (ZeRO-3: a ZeRO-3 engine; FSDP2: sharded one "
+            "transformer block at a time, gathered block by block in each scoring pass; refused under DDP, ZeRO-1/2 "
+            "and one process) or 'replicated' (a full copy on every device, also under ZeRO-3: faster scoring, no "
+            "all-gathers). Shard frozen models that do not fit replicated. 'sharded' excludes "
+            "ref_offload/reward_offload.",
+            "choices": list(FROZEN_MODEL_PLACEMENTS),
+        },
+    )
+
     # ---------------------------------------------------------------------------------------------------- EMA
     ema_beta: float | None = field(
         default=None,
@@ -319,7 +342,20 @@ class OnlineConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
         if self.missing_eos_penalty is not None and self.missing_eos_penalty < 0:
             fail(f"missing_eos_penalty={self.missing_eos_penalty} must be >= 0 (it is subtracted from the score).")
         self._check_choice("nonfinite_rewards", NONFINITE_REWARD_OPTIONS)
+        self._validate_frozen_placement()
         self._validate_ema()
+
+    def _validate_frozen_placement(self) -> None:
+        self._check_choice("frozen_models_placement", FROZEN_MODEL_PLACEMENTS)
+        offloaded = [name for name in ("ref_offload", "reward_offload") if getattr(self, name)]
+        if self.frozen_models_placement == "sharded" and offloaded:
+            both = " and ".join(f"{name}=True" for name in offloaded)
+            self._fail(
+                f"frozen_models_placement='sharded' and {both} contradict each other: sharded frozen models keep 1/N "
+                "of their weights on each accelerator, offloaded ones keep whole weights on the CPU. Choose one: set "
+                "the offload option(s) to False, or frozen_models_placement='auto'/'replicated' (to offload shards, "
+                "use FSDP's fsdp_offload_params or ZeRO-3's offload_param)."
+            )
 
     def _refuse_dropping_rewards(self, why: str) -> None:
         """For trainers that cannot give one sample zero weight: refuse ``nonfinite_rewards="drop"``."""

@@ -228,6 +228,10 @@ class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, TwistTargetConfig):
             DeepSpeed (use ZeRO-3's `offload_param`).
         reward_offload (`bool`, *optional*, defaults to `False`):
             The same for a reward model (an `nn.Module`; nothing to do for reward functions or servers).
+        frozen_models_placement (`str`, *optional*, defaults to `"auto"`):
+            The frozen reference and reward model: `"auto"` (sharded under ZeRO-3, a full copy per device otherwise),
+            `"sharded"` (ZeRO-3 or FSDP2 only; not with the offload options) or `"replicated"` (a full copy on every
+            device, also under ZeRO-3: no all-gathers when scoring); see `OnlineConfig`.
 
         > Parameters that control the EMA of the policy (trl_ext additions)
 
