@@ -7,6 +7,7 @@ trainers (`trl_ext.trainers`), held-out evaluation and attacks (`trl_ext.eval`) 
 - `sampling`: the inverse-CDF sampler that records the log-probs it sampled from;
 - `shared_prefix`: each distinct prompt run once and its KV cache fanned out to its samples (generation, reference,
   critic and reward passes);
+- `compiled_decode`: a compiled per-token decode step for `generate` on a static KV cache (`compile_generation`);
 - `reward`: `RolloutReward` (a reward model on the token ids, or a reward function on the decoded texts);
 - `reference`: `ReferencePolicy` (a separate model, or the policy with its adapters disabled);
 - `finite`: the check of every rollout's rewards for NaN / ±inf (`nonfinite_rewards`: raise, or drop the samples);

@@ -5,7 +5,8 @@ One rollout, for a batch of left-padded prompts:
 
 1. repeat each prompt ``N = num_samples_per_prompt`` times (rows stay grouped prompt by prompt);
 2. sample responses with the policy's own ``generate`` (plain, value-head, PEFT and modulated policies all have one)
-   under `trl.models.unwrap_model_for_generation`, with exactly the sampling settings given (the model's saved
+   under `trl.models.unwrap_model_for_generation` and the accelerator's autocast (``bf16``: sampled in mixed
+   precision, like the scoring and training passes), with exactly the sampling settings given (the model's saved
    generation config is swapped out meanwhile, so none of its defaults, e.g. ``top_k=50``, leak in); tokens are
    drawn by :class:`~trl_ext.rollout.sampling.SampleAndRecord`, which also records their log-probs; with
    ``shared_prefix`` each distinct prompt is prefilled once and its KV cache fanned out to its ``N`` samples
@@ -27,6 +28,7 @@ The result is a :class:`Rollout`. No maths here beyond calling :mod:`trl_ext.ops
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -34,13 +36,14 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 from torch import nn
-from transformers import GenerationConfig, LogitsProcessorList
+from transformers import CompileConfig, GenerationConfig, LogitsProcessorList
 
 from ..models.lora import is_peft_model
 from ..models.value_head import AutoModelForCausalLMWithValueHead
 from ..ops.logprobs import DEFAULT_CHUNK_SIZE
 from ..ops.sequences import truncate_after_stop_token
 from ..utils import eval_mode
+from .compiled_decode import static_decode_cache
 from .finite import screen_rewards
 from .fsdp import call_as_root_forward, is_fsdp_sharded
 from .reference import ReferencePolicy
@@ -172,6 +175,9 @@ class SamplingSettings:
     """Id that counts as "ended properly" for ``contains_stop`` when no stop token is set."""
     num_samples_per_prompt: int = 1
     do_sample: bool = True
+    compile_config: CompileConfig | None = None
+    """Compile ``generate``'s per-token decode step with it, on a static KV cache (:mod:`.compiled_decode`,
+    :func:`~trl_ext.rollout.compiled_decode.decode_compile_config`); ``None``: eager decoding."""
 
     def generation_config(self) -> GenerationConfig:
         """The config ``generate`` runs with. Sampling is done by :meth:`sampler` (a logits processor), so
@@ -250,9 +256,14 @@ def generate_responses(
     (:func:`~trl_ext.rollout.sampling.row_keys`); a row's response then does not depend on its batch.
     ``share_prompts``: prefill each distinct prompt of a ``generate`` call once and
     copy its KV cache to its rows (:func:`~trl_ext.rollout.shared_prefix.prefill_prompts`; text only): the same
-    logits and, for a given seed, the same tokens as without.
+    logits and, for a given seed, the same tokens as without. ``settings.compile_config``: decode with a compiled
+    step on a static cache (:mod:`~trl_ext.rollout.compiled_decode`; text only), the same logits up to rounding.
     """
     config = settings.generation_config()
+    compiled = None
+    if settings.compile_config is not None and vision is None:
+        compiled = copy.deepcopy(config)
+        compiled.compile_config = settings.compile_config
     chunks, logprob_chunks = [], []
     # FSDP2: every step all-gathers weights, so every process keeps stepping until all are done.
     synced = {"synced_gpus": True} if is_fsdp_sharded(model) and _world_size() > 1 else {}
@@ -265,11 +276,12 @@ def generate_responses(
             )
             processors = LogitsProcessorList(([sampler] if sampler is not None else []) + banned)
             cache = prefill_prompts(model, ids, mask) if share_prompts and vision is None else None
-            if cache is not None:
-                extra["past_key_values"] = cache
+            static = static_decode_cache(model, ids, settings.max_new_tokens, cache) if compiled is not None else None
+            if static is not None or cache is not None:
+                extra["past_key_values"] = static if static is not None else cache
             out = model.generate(
-                input_ids=ids, attention_mask=mask, generation_config=config, logits_processor=processors, **extra,
-                **synced,
+                input_ids=ids, attention_mask=mask, generation_config=compiled if static is not None else config,
+                logits_processor=processors, **extra, **synced,
             )  # fmt: skip
             chunks.append(out[:, ids.shape[1] :])
             if sampler is not None:
@@ -324,8 +336,8 @@ class RolloutGenerator:
         reference: a :class:`ReferencePolicy`, or ``None`` to skip the reference forward pass (``ref_logprobs`` is
             then ``None``; trainers do this when the KL coefficient is 0 and not adaptive).
         forward_batch_size: rows per ``generate`` call and per scoring forward pass.
-        accelerator: the trainer's `accelerate.Accelerator` (generation unwraps the model through it and scoring
-            runs under its autocast); ``None`` for a plain module.
+        accelerator: the trainer's `accelerate.Accelerator` (generation unwraps the model through it; generation and
+            scoring run under its autocast, as the training forward does); ``None`` for a plain module.
         missing_eos_penalty: subtracted from the scores of responses without a stop token.
         policy_of: maps the unwrapped trainable model to the policy that generates (e.g. ``lambda m: m.policy``).
         with_values: read the critic's values (``model(...)`` must return ``value``).
@@ -380,18 +392,23 @@ class RolloutGenerator:
     @contextlib.contextmanager
     def generation_model(self, model: nn.Module) -> Iterator[nn.Module]:
         """The policy of the (possibly DDP/DeepSpeed/FSDP-wrapped) trained ``model``, ready to ``generate``: unwrapped,
-        with ZeRO-3 weights gathered for the block when asked (`trl.models.unwrap_model_for_generation`)."""
+        with ZeRO-3 weights gathered for the block when asked (`trl.models.unwrap_model_for_generation`), and the
+        block run under the accelerator's autocast (mixed precision): the unwrapped policy's own ``forward`` is not
+        the autocast-wrapped one of the trained module, so without it ``bf16=True`` would sample in fp32."""
         if self.accelerator is None:
             yield self.policy_of(model)
             return
         from trl.models import unwrap_model_for_generation
 
-        with unwrap_model_for_generation(
-            model,
-            self.accelerator,
-            gather_deepspeed3_params=self.gather_deepspeed3_params,
-            gradient_checkpointing_kwargs=self.gradient_checkpointing_kwargs,
-        ) as unwrapped:
+        with (
+            unwrap_model_for_generation(
+                model,
+                self.accelerator,
+                gather_deepspeed3_params=self.gather_deepspeed3_params,
+                gradient_checkpointing_kwargs=self.gradient_checkpointing_kwargs,
+            ) as unwrapped,
+            self._autocast(),
+        ):
             yield self.policy_of(unwrapped)
 
     @contextlib.contextmanager

@@ -31,6 +31,7 @@ from trl.trainer import disable_dropout_in_model
 
 from ...models.padding_free import check_padding_free
 from ...models.quantization import keep_4bit_layers_trainable
+from ...rollout.compiled_decode import decode_compile_config
 from ...rollout.data import (
     PromptCollator,
     RolloutSampler,
@@ -247,7 +248,9 @@ class OnlineTrainerMixin(
             stop_token_ids=(self.stop_token_id,) if self.stop_token_id is not None else None,
             eos_token_id=self.tokenizer.eos_token_id,
             num_samples_per_prompt=args.num_samples_per_prompt,
-        )
+            compile_config=decode_compile_config(args.torch_compile_backend, args.torch_compile_mode)
+            if getattr(args, "compile_generation", False) else None,
+        )  # fmt: skip
 
     @property
     def kl_is_off(self) -> bool:

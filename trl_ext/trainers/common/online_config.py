@@ -74,9 +74,14 @@ class OnlineConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
             batch samples.
         shared_prefix_rollouts (`bool`, *optional*, defaults to `True`):
             With `num_samples_per_prompt > 1`, run each distinct prompt once and fan its key/value cache out to its
-            samples: in generation (the same logits, hence the same samples for a given seed) and, for fp32 models,
-            in the reference, separate-critic and reward-model scoring passes (the same numbers up to rounding).
-            `False`: every sample's prompt is run again.
+            samples: in generation (the same logits up to rounding, hence in fp32 the same samples for a given seed)
+            and, for fp32 models, in the reference, separate-critic and reward-model scoring passes (the same numbers
+            up to rounding). `False`: every sample's prompt is run again.
+        compile_generation (`bool`, *optional*, defaults to `False`):
+            trl_ext addition. Sample with a compiled decode step: `generate` decodes on a static key/value cache and
+            compiles its per-token forward (backend and mode: `torch_compile_backend` / `torch_compile_mode` when
+            set, else inductor / `"reduce-overhead"`), on any device; same logits up to rounding (in fp32, the same
+            samples for a seed). The first rollouts pay the compile time; modulated policies decode eagerly.
 
         > Parameters that control the rewards
 
@@ -215,9 +220,17 @@ class OnlineConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
         default=True,
         metadata={
             "help": "With num_samples_per_prompt > 1, run each distinct prompt once and fan its key/value cache out "
-            "to its samples: in generation (same logits, same samples for a given seed) and, for fp32 models, in the "
-            "reference, separate-critic and reward-model scoring passes (same numbers up to rounding). False: every "
-            "sample's prompt is run again."
+            "to its samples: in generation (same logits up to rounding; in fp32, same samples for a given seed) and, "
+            "for fp32 models, in the reference, separate-critic and reward-model scoring passes (same numbers up to "
+            "rounding). False: every sample's prompt is run again."
+        },
+    )
+    compile_generation: bool = field(
+        default=False,
+        metadata={
+            "help": "Sample with a compiled decode step: generate decodes on a static key/value cache and compiles "
+            "its per-token forward (torch_compile_backend / torch_compile_mode when set, else inductor / "
+            "reduce-overhead), on any device; same logits up to rounding. The first rollouts pay the compile time."
         },
     )
 
@@ -343,6 +356,9 @@ class OnlineConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
             fail(f"missing_eos_penalty={self.missing_eos_penalty} must be >= 0 (it is subtracted from the score).")
         self._check_choice("nonfinite_rewards", NONFINITE_REWARD_OPTIONS)
         self._validate_frozen_placement()
+        if self.compile_generation and getattr(self, "use_vllm", False):
+            fail("compile_generation=True compiles model.generate's decode step; with use_vllm=True vLLM samples "
+                 "(and compiles its own graphs). Set one of them to False.")  # fmt: skip
         self._validate_ema()
 
     def _validate_frozen_placement(self) -> None:

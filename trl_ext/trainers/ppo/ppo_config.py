@@ -92,9 +92,14 @@ class PPOConfig(VLLMConfigMixin, PtxConfigMixin, OnlineConfig):
             batch samples.
         shared_prefix_rollouts (`bool`, *optional*, defaults to `True`):
             With `num_samples_per_prompt > 1`, run each distinct prompt once and fan its key/value cache out to its
-            samples: in generation (the same logits, hence the same samples for a given seed) and, for fp32 models,
-            in the reference, separate-critic and reward-model scoring passes (the same numbers up to rounding).
-            `False`: every sample's prompt is run again.
+            samples: in generation (the same logits up to rounding, hence in fp32 the same samples for a given seed)
+            and, for fp32 models, in the reference, separate-critic and reward-model scoring passes (the same numbers
+            up to rounding). `False`: every sample's prompt is run again.
+        compile_generation (`bool`, *optional*, defaults to `False`):
+            trl_ext addition. Sample with a compiled decode step: `generate` decodes on a static key/value cache and
+            compiles its per-token forward (backend and mode: `torch_compile_backend` / `torch_compile_mode` when
+            set, else inductor / `"reduce-overhead"`), on any device; same logits up to rounding (in fp32, the same
+            samples for a seed). The first rollouts pay the compile time; modulated policies decode eagerly.
 
         > Parameters that control the rewards
 
