@@ -12,7 +12,7 @@ from transformers import TrainingArguments
 from ...losses import AGGREGATIONS, available_losses, get_loss_spec
 from ...losses.reinforce import BASELINES
 from ...ops.kl import KL_ESTIMATORS
-from ..common.online_config import OnlineConfig
+from ..common.online_config import OnlineConfig, document_rollout_options
 from ..common.ptx_config import PtxConfigMixin
 from ..common.vllm_config import VLLMConfigMixin, document_vllm_options
 
@@ -25,6 +25,7 @@ REINFORCE_BASELINES: tuple[str, ...] = ("none", "rloo", "hardcoded")
 
 
 @document_vllm_options
+@document_rollout_options
 @dataclass
 class PPOConfig(VLLMConfigMixin, PtxConfigMixin, OnlineConfig):
     r"""
@@ -80,26 +81,6 @@ class PPOConfig(VLLMConfigMixin, PtxConfigMixin, OnlineConfig):
         ds3_gather_for_generation (`bool`, *optional*, defaults to `True`):
             Under DeepSpeed ZeRO-3, gather the policy weights once per generation call (fast); `False` generates with
             sharded weights (slow, but fits models larger than one GPU).
-        padding_free (`bool`, *optional*, defaults to `False`):
-            trl_ext addition. Run the training forward passes with the rows of each micro-batch packed into one
-            sequence (per-row `position_ids`, no padding tokens; same losses and gradients). Needs an attention
-            implementation that keeps packed rows apart (`sdpa`, `eager`, `flex_attention`, `flash_attention_2`;
-            checked when the trainer starts). It pays off with flash-attention's varlen kernels on GPU; with
-            `sdpa`/`eager` the attention mask of `N` packed tokens is a dense `N × N`.
-        seed_per_row (`bool`, *optional*, defaults to `False`):
-            Draw each sampled token from a random stream keyed by (seed, rollout, global row, position) instead of
-            each process's own RNG: N processes then sample exactly what one process with an N× larger per-device
-            batch samples.
-        shared_prefix_rollouts (`bool`, *optional*, defaults to `True`):
-            With `num_samples_per_prompt > 1`, run each distinct prompt once and fan its key/value cache out to its
-            samples: in generation (the same logits up to rounding, hence in fp32 the same samples for a given seed)
-            and, for fp32 models, in the reference, separate-critic and reward-model scoring passes (the same numbers
-            up to rounding). `False`: every sample's prompt is run again.
-        compile_generation (`bool`, *optional*, defaults to `False`):
-            trl_ext addition. Sample with a compiled decode step: `generate` decodes on a static key/value cache and
-            compiles its per-token forward (backend and mode: `torch_compile_backend` / `torch_compile_mode` when
-            set, else inductor / `"reduce-overhead"`), on any device; same logits up to rounding (in fp32, the same
-            samples for a seed). The first rollouts pay the compile time; modulated policies decode eagerly.
 
         > Parameters that control the rewards
 

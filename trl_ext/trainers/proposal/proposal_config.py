@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from ...losses import available_losses
 from ...models.twist import TWIST_PARAMETERIZATIONS
 from ...rewards import RewardShaping
-from ..common.online_config import TwistTargetConfig
+from ..common.online_config import TwistTargetConfig, document_rollout_options
 from ..common.vllm_config import VLLMConfigMixin, document_vllm_options
 from .twist_step import validate_twist_setup
 
@@ -17,6 +17,7 @@ __all__ = ["ProposalConfig"]
 
 
 @document_vllm_options
+@document_rollout_options
 @dataclass
 class ProposalConfig(VLLMConfigMixin, TwistTargetConfig):
     r"""
@@ -90,24 +91,6 @@ class ProposalConfig(VLLMConfigMixin, TwistTargetConfig):
             Rows per generation call and per no-grad scoring pass.
         ds3_gather_for_generation (`bool`, *optional*, defaults to `True`):
             Under ZeRO-3, gather the weights once per generation call.
-        padding_free (`bool`, *optional*, defaults to `False`):
-            trl_ext addition. Run the training forward passes with each micro-batch's rows packed into one sequence
-            (same losses and gradients; the attention is checked at start, see `PPOConfig`). Only with the
-            parameterisations `policy_psi_q_p_s_t` / `policy_psi_q_p_s_1_to_t` and a twist loss other than DPG.
-        seed_per_row (`bool`, *optional*, defaults to `False`):
-            Draw each sampled token from a random stream keyed by (seed, rollout, global row, position) instead of
-            each process's own RNG: N processes then sample exactly what one process with an N× larger per-device
-            batch samples.
-        shared_prefix_rollouts (`bool`, *optional*, defaults to `True`):
-            With `num_samples_per_prompt > 1`, run each distinct prompt once and fan its key/value cache out to its
-            samples: in generation (the same logits up to rounding, hence in fp32 the same samples for a given seed)
-            and, for fp32 models, in the reference, separate-critic and reward-model scoring passes (the same numbers
-            up to rounding). `False`: every sample's prompt is run again.
-        compile_generation (`bool`, *optional*, defaults to `False`):
-            trl_ext addition. Sample with a compiled decode step: `generate` decodes on a static key/value cache and
-            compiles its per-token forward (backend and mode: `torch_compile_backend` / `torch_compile_mode` when
-            set, else inductor / `"reduce-overhead"`), on any device; same logits up to rounding (in fp32, the same
-            samples for a seed). The first rollouts pay the compile time; modulated policies decode eagerly.
 
         > Parameters that control the data and the run length
 
