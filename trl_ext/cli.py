@@ -485,11 +485,11 @@ def processes_text(trainer) -> str:
 def engine_name(accelerator) -> str:
     """The distributed engine an `accelerate.Accelerator` runs: ``"DDP"``, ``"DeepSpeed ZeRO-<stage>"``,
     ``"FSDP<version>"`` or ``"single process"``."""
-    state = accelerator.state
-    deepspeed = getattr(state, "deepspeed_plugin", None)
-    if deepspeed is not None:
-        return f"DeepSpeed ZeRO-{deepspeed.zero_stage}"
-    fsdp = getattr(state, "fsdp_plugin", None)
-    if fsdp is not None:
-        return f"FSDP{getattr(fsdp, 'fsdp_version', 1)}"
-    return "DDP" if accelerator.num_processes > 1 else "single process"
+    from .trainers.common.frozen import frozen_engine
+
+    kind = frozen_engine(accelerator)  # "zero<stage>", "fsdp<version>", "ddp" or "single"
+    if kind.startswith("zero"):
+        return f"DeepSpeed ZeRO-{kind.removeprefix('zero')}"
+    if kind.startswith("fsdp"):
+        return f"FSDP{kind.removeprefix('fsdp')}"
+    return {"ddp": "DDP", "single": "single process"}[kind]
