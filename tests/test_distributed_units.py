@@ -7,7 +7,7 @@
   metrics (`PPOMetrics.pop(gather_object)`), the proposal's maxima;
 - the value loss's ``clipfrac`` counts clipping, not rounding;
 - FSDP's memory-saving load: weights left on the meta device get storage (`materialize_meta_parameters`);
-- the recipes' engine names (`cli.engine_name`).
+- the recipes' engine names (`cli.engine_name`) and their clean end of a multi-process job (`cli.finish_distributed`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from trl_ext.cli import engine_name
+from trl_ext.cli import engine_name, finish_distributed
 from trl_ext.losses.ppo import clipped_value_loss
 from trl_ext.ops import masked_whiten
 from trl_ext.rollout.generator import SamplingSettings, generate_responses
@@ -157,3 +157,34 @@ def test_meta_parameters_get_storage_and_distinct_addresses():
 def test_engine_names(state, processes, expected):
     accelerator = SimpleNamespace(state=SimpleNamespace(**state), num_processes=processes)
     assert engine_name(accelerator) == expected
+
+
+class _RecordingAccelerator:
+    """What `finish_distributed` calls on an accelerator, recorded; `end_training` destroys the real process group."""
+
+    def __init__(self, num_processes):
+        self.num_processes, self.calls = num_processes, []
+
+    def wait_for_everyone(self):
+        self.calls.append("wait_for_everyone")
+
+    def end_training(self):
+        self.calls.append("end_training")
+        torch.distributed.destroy_process_group()
+
+
+def test_finish_distributed_waits_then_destroys_the_process_group(tmp_path):
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        single = _RecordingAccelerator(1)
+        finish_distributed(single)  # one process: nothing to tear down, the group is left alone
+        assert single.calls == [] and torch.distributed.is_initialized()
+        job = _RecordingAccelerator(2)
+        finish_distributed(job)
+        assert job.calls == ["wait_for_everyone", "end_training"]
+        assert not torch.distributed.is_initialized()
+        finish_distributed(job)  # a second call (nothing left to destroy) is a no-op
+        assert job.calls == ["wait_for_everyone", "end_training"]
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -457,6 +457,22 @@ def train_and_save(trainer, training_args) -> None:
     resume = training_args.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=True if resume in ("true", "True", "last") else resume)
     trainer.save_model(training_args.output_dir)
+    finish_distributed(trainer.accelerator)
+
+
+def finish_distributed(accelerator) -> None:
+    """End a multi-process job cleanly: wait until every process is here, then destroy the process group.
+
+    Left to interpreter exit, the process group's C++ threads are torn down in no set order while the main process
+    (which hosts the rendezvous store) may already be gone; a process then occasionally aborts after training and
+    saving succeeded ("terminate called without an active exception", seen once in CI with DeepSpeed ZeRO-2 on CPU),
+    and the launcher reports the whole job as failed. Nothing else may run collectives afterwards; the accelerator's
+    ``num_processes`` and ``is_main_process`` keep their values, so the summary line can still be printed."""
+    import torch.distributed as dist
+
+    if accelerator.num_processes > 1 and dist.is_available() and dist.is_initialized():
+        accelerator.wait_for_everyone()
+        accelerator.end_training()
 
 
 def seed_run(training_args) -> None:
