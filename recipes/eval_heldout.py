@@ -225,6 +225,7 @@ def main(args: HeldoutEvalArguments) -> dict:
         for tau, entry in metrics["p_bad"].items():
             print(f"  P(r < {tau}) = {entry['value']:.4g}  [{entry['ci'][0]:.4g}, {entry['ci'][1]:.4g}]")
         print(f"Report written to {args.output_path}")
+    cli.finish_distributed(state)
     return report
 
 

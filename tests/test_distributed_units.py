@@ -159,8 +159,8 @@ def test_engine_names(state, processes, expected):
     assert engine_name(accelerator) == expected
 
 
-class _RecordingAccelerator:
-    """What `finish_distributed` calls on an accelerator, recorded; `end_training` destroys the real process group."""
+class _RecordingState:
+    """What `finish_distributed` calls on a `PartialState`, recorded; it destroys the real process group."""
 
     def __init__(self, num_processes):
         self.num_processes, self.calls = num_processes, []
@@ -168,23 +168,34 @@ class _RecordingAccelerator:
     def wait_for_everyone(self):
         self.calls.append("wait_for_everyone")
 
+    def destroy_process_group(self):
+        self.calls.append("destroy_process_group")
+        torch.distributed.destroy_process_group()
+
+
+class _RecordingAccelerator(_RecordingState):
+    """The same for an `Accelerator`, whose `end_training` also closes trackers."""
+
     def end_training(self):
         self.calls.append("end_training")
         torch.distributed.destroy_process_group()
 
 
-def test_finish_distributed_waits_then_destroys_the_process_group(tmp_path):
+@pytest.mark.parametrize(
+    ("kind", "end"), [(_RecordingAccelerator, "end_training"), (_RecordingState, "destroy_process_group")]
+)
+def test_finish_distributed_waits_then_destroys_the_process_group(kind, end, tmp_path):
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        single = _RecordingAccelerator(1)
+        single = kind(1)
         finish_distributed(single)  # one process: nothing to tear down, the group is left alone
         assert single.calls == [] and torch.distributed.is_initialized()
-        job = _RecordingAccelerator(2)
+        job = kind(2)
         finish_distributed(job)
-        assert job.calls == ["wait_for_everyone", "end_training"]
+        assert job.calls == ["wait_for_everyone", end]
         assert not torch.distributed.is_initialized()
         finish_distributed(job)  # a second call (nothing left to destroy) is a no-op
-        assert job.calls == ["wait_for_everyone", "end_training"]
+        assert job.calls == ["wait_for_everyone", end]
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

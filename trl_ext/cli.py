@@ -467,12 +467,16 @@ def finish_distributed(accelerator) -> None:
     (which hosts the rendezvous store) may already be gone; a process then occasionally aborts after training and
     saving succeeded ("terminate called without an active exception", seen once in CI with DeepSpeed ZeRO-2 on CPU),
     and the launcher reports the whole job as failed. Nothing else may run collectives afterwards; the accelerator's
-    ``num_processes`` and ``is_main_process`` keep their values, so the summary line can still be printed."""
+    ``num_processes`` and ``is_main_process`` keep their values, so the summary line can still be printed.
+    ``accelerator`` is an `accelerate.Accelerator` or a `PartialState` (the evaluation recipes)."""
     import torch.distributed as dist
 
     if accelerator.num_processes > 1 and dist.is_available() and dist.is_initialized():
         accelerator.wait_for_everyone()
-        accelerator.end_training()
+        if hasattr(accelerator, "end_training"):  # an Accelerator: also closes its trackers
+            accelerator.end_training()
+        else:  # a PartialState
+            accelerator.destroy_process_group()
 
 
 def seed_run(training_args) -> None:
