@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -15,6 +14,7 @@ from ...rewards import REWARD_TRANSFORMS, RM_TYPES
 from ..common.online_config import TwistTargetConfig, document_rollout_options
 from ..common.ptx_config import PtxConfigMixin
 from ..common.vllm_config import VLLMConfigMixin, document_vllm_options
+from .config_checks import check_negative_sampler, check_target
 
 __all__ = ["HarmlessnessConfig", "ORDERS", "PROPOSAL_LOSS_TYPES", "REWARD_TRANSFORM_NAMES", "RM_TYPE_NAMES"]
 
@@ -459,8 +459,8 @@ class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, TwistTargetConfig):
         fail = self._fail
         self._validate_generation(fail)
         self._validate_losses(fail)
-        self._validate_target(fail)
-        self._validate_negative_sampler(fail)
+        check_target(self, fail)
+        check_negative_sampler(self, fail)
         self._validate_schedule(fail)
 
     def _validate_generation(self, fail) -> None:
@@ -530,65 +530,6 @@ class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, TwistTargetConfig):
             )
         if self.proposal_learning_rate is not None and self.proposal_learning_rate < 0:
             fail(f"proposal_learning_rate={self.proposal_learning_rate} must be >= 0.")
-
-    def _validate_target(self, fail) -> None:
-        if self.rm_type == "indicator_below_threshold" and self.reward_threshold is None:
-            fail("rm_type='indicator_below_threshold' needs reward_threshold (raw rewards below it count as bad).")
-        if self.reward_transform is not None and self.reward_transform not in REWARD_TRANSFORM_NAMES:
-            fail(
-                f"unknown reward_transform {self.reward_transform!r}; choose one of "
-                f"{', '.join(REWARD_TRANSFORM_NAMES)} or None."
-            )
-        if self.transform_both_sides and self.reward_transform is None:
-            fail("transform_both_sides=True but reward_transform is None: set a reward_transform or drop the flag.")
-        uses_sigma = self.uses_negative_samples
-        # rm_type 'rlhf' keeps "higher = better", so the bad outputs need beta < 0; the indicator and the toxicity
-        # log-probability are high on bad outputs, so there beta > 0 targets them.
-        sign, wanted = (-1, "< 0") if self.rm_type == "rlhf" else (1, "> 0")
-        beta_used = uses_sigma and (self.separate_reweighting_beta is None or self.uses_proposal_model)
-        if beta_used and not self.target_dist_beta * sign > 0:
-            fail(
-                f"target_dist_beta={self.target_dist_beta} with rm_type={self.rm_type!r}: loss_type="
-                f"{self.loss_type!r} targets sigma ∝ p·exp(beta·R), which must put its mass on the bad (low-reward) "
-                f"outputs; set target_dist_beta {wanted} (the paper uses -1 ... -30 with rm_type='rlhf', and 1 with "
-                "'indicator_below_threshold')."
-            )
-        if self.anneal_target_dist_beta is not None and not (
-            self.anneal_target_dist_beta * sign > 0 and self.target_dist_beta * sign > 0
-        ):
-            fail(
-                f"anneal_target_dist_beta={self.anneal_target_dist_beta} -> target_dist_beta={self.target_dist_beta}: "
-                f"a log-spaced beta schedule needs both values {wanted} with rm_type={self.rm_type!r}."
-            )
-
-    def _validate_negative_sampler(self, fail) -> None:
-        if self.negative_sampler not in ("proposal", "smc"):
-            fail(f"negative_sampler={self.negative_sampler!r}: choose 'proposal' or 'smc'.")
-        if not 0.0 <= self.smc_ess_threshold <= 1.0:
-            fail(f"smc_ess_threshold={self.smc_ess_threshold}: choose a value in [0, 1].")
-        if self.negative_sampler != "smc":
-            return
-        if not self.uses_proposal_model:
-            fail(
-                "negative_sampler='smc' uses the learned proposal as the SMC twist, but no proposal is trained "
-                f"(loss_type={self.loss_type!r}, use_base_as_proposal={self.use_base_as_proposal}); use a loss with "
-                "negative samples (e.g. 'neg_training') without use_base_as_proposal, or negative_sampler='proposal'."
-            )
-        if self.temperature != 1.0:
-            fail(
-                f"negative_sampler='smc' targets σ ∝ p_θ·φ with p_θ at temperature 1, but temperature="
-                f"{self.temperature}; set temperature=1.0 or use negative_sampler='proposal'."
-            )
-        if self.uniform_reweight or self.separate_reweighting_beta is not None:
-            fail(
-                "negative_sampler='smc' weights the negatives with the sampler's own weights; uniform_reweight and "
-                "separate_reweighting_beta only apply to negative_sampler='proposal'."
-            )
-        if "neg_rewards" in inspect.signature(get_loss_spec(self.loss_type).fn).parameters:
-            fail(
-                f"loss_type={self.loss_type!r} also takes the negatives' returns, measured on the proposal's samples; "
-                "negative_sampler='smc' replaces those samples. Use negative_sampler='proposal'."
-            )
 
     def _validate_schedule(self, fail) -> None:
         extra_steps = self.order == "p_then_q" or self.q_steps_per_p_step > 1

@@ -9,19 +9,14 @@ from typing import Literal
 
 from transformers import TrainingArguments
 
-from ...losses import AGGREGATIONS, available_losses, get_loss_spec
-from ...losses.reinforce import BASELINES
+from ...losses import AGGREGATIONS, get_loss_spec
 from ...ops.kl import KL_ESTIMATORS
 from ..common.online_config import OnlineConfig, document_rollout_options
 from ..common.ptx_config import PtxConfigMixin
 from ..common.vllm_config import VLLMConfigMixin, document_vllm_options
+from .config_checks import ACTOR_LOSS_KINDS, REINFORCE_BASELINES, check_actor_loss, check_freezing_actor
 
 __all__ = ["PPOConfig", "ACTOR_LOSS_KINDS", "REINFORCE_BASELINES"]
-
-#: Loss kinds `actor_loss_type` may name: a clipped-surrogate style loss or a score-function (REINFORCE) loss.
-ACTOR_LOSS_KINDS: tuple[str, ...] = ("policy", "reinforce")
-#: Baselines of `actor_loss_type="reinforce"` (see `trl_ext.losses.reinforce.compute_baseline`).
-REINFORCE_BASELINES: tuple[str, ...] = ("none", "rloo", "hardcoded")
 
 
 @document_vllm_options
@@ -530,8 +525,8 @@ class PPOConfig(VLLMConfigMixin, PtxConfigMixin, OnlineConfig):
         if self.kl_horizon < 1:
             fail(f"kl_horizon={self.kl_horizon}: set kl_horizon >= 1 (responses).")
         self._check_choice("loss_aggregation", AGGREGATIONS)
-        self._validate_actor_loss(fail)
-        self._validate_freezing_actor(fail)
+        check_actor_loss(self, fail)
+        check_freezing_actor(self, fail)
         if self.total_episodes is not None and self.total_episodes < 1:
             fail(f"total_episodes={self.total_episodes}: set a positive number, or None for one pass per epoch.")
         per_device, accumulation = self.per_device_train_batch_size, self.gradient_accumulation_steps
@@ -548,59 +543,6 @@ class PPOConfig(VLLMConfigMixin, PtxConfigMixin, OnlineConfig):
                 f"{per_device * accumulation} responses is not a multiple of num_samples_per_prompt="
                 f"{self.num_samples_per_prompt}; change one of them so every prompt gets all its samples."
             )
-
-    def _validate_freezing_actor(self, fail) -> None:
-        if self.freezing_actor_steps < 0:
-            fail(f"freezing_actor_steps={self.freezing_actor_steps}: set it >= 0 (0: no critic warm-up).")
-        if not self.freezing_actor_steps:
-            return
-        if self.shared_actor_critic:
-            fail(
-                "freezing_actor_steps > 0 with shared_actor_critic=True: the value head sits on the policy's trunk, "
-                "so training the critic would change the policy. Use a separate value model or freezing_actor_steps=0."
-            )
-        if not self.uses_critic:
-            fail(
-                f"freezing_actor_steps > 0 with actor_loss_type={self.actor_loss_type!r}: this loss has no critic, so "
-                "nothing would train during the warm-up. Use freezing_actor_steps=0."
-            )
-        if self.ddp_find_unused_parameters is False:
-            fail(
-                "freezing_actor_steps > 0 with ddp_find_unused_parameters=False: the policy gets no gradient during "
-                "the warm-up, which DDP then refuses. Leave ddp_find_unused_parameters unset (or True)."
-            )
-
-    def _validate_actor_loss(self, fail) -> None:
-        if self.actor_loss_type == "reinforce":
-            if self.reinforce_baseline not in REINFORCE_BASELINES:
-                fail(
-                    f"unknown reinforce_baseline {self.reinforce_baseline!r}; choose one of "
-                    f"{', '.join(REINFORCE_BASELINES)}."
-                )
-            if self.reinforce_baseline == "rloo" and self.num_samples_per_prompt < 2:
-                fail(
-                    "reinforce_baseline='rloo' needs at least 2 samples per prompt; set num_samples_per_prompt >= 2 "
-                    "or reinforce_baseline='none' / 'hardcoded'."
-                )
-            return
-        if self.actor_loss_type == "ppo":
-            return
-        try:
-            spec = get_loss_spec(self.actor_loss_type)
-        except KeyError:
-            names = sorted({*available_losses("policy"), *available_losses("reinforce")})
-            fail(
-                f"unknown actor_loss_type {self.actor_loss_type!r}: use 'ppo', 'reinforce' or a loss registered with "
-                f"kind 'policy' or 'reinforce' (registered: {', '.join(names)}). Register custom losses with "
-                "trl_ext.register_loss(name, kind='policy') before building the config."
-            )
-        if spec.kind not in ACTOR_LOSS_KINDS:
-            fail(
-                f"actor_loss_type={self.actor_loss_type!r} is a {spec.kind!r} loss; the actor needs a 'policy' "
-                f"(logprobs, old_logprobs, advantages, mask) or a 'reinforce' (logprobs, rewards, mask) loss."
-            )
-        if spec.kind == "reinforce" and self.reinforce_baseline not in BASELINES:
-            fail(f"unknown reinforce_baseline {self.reinforce_baseline!r}.")
 
     # ----------------------------------------------------------------------------------------- derived
     @property

@@ -1,0 +1,77 @@
+"""The checks of `HarmlessnessConfig` that concern σ ∝ p·exp(β·R), the distribution of the negative samples: its
+reward and β (`check_target`) and how its samples are drawn (`check_negative_sampler`). Each takes the config and its
+``fail(message)``."""
+
+from __future__ import annotations
+
+import inspect
+
+from ...losses import get_loss_spec
+from ...rewards import REWARD_TRANSFORMS
+
+__all__ = ["check_negative_sampler", "check_target"]
+
+
+def check_target(config, fail) -> None:
+    """The reward σ targets: `rm_type`, `reward_transform`, and a `target_dist_beta` (and its annealing start) whose
+    sign puts σ's mass on the bad outputs."""
+    if config.rm_type == "indicator_below_threshold" and config.reward_threshold is None:
+        fail("rm_type='indicator_below_threshold' needs reward_threshold (raw rewards below it count as bad).")
+    if config.reward_transform is not None and config.reward_transform not in REWARD_TRANSFORMS:
+        fail(
+            f"unknown reward_transform {config.reward_transform!r}; choose one of "
+            f"{', '.join(REWARD_TRANSFORMS)} or None."
+        )
+    if config.transform_both_sides and config.reward_transform is None:
+        fail("transform_both_sides=True but reward_transform is None: set a reward_transform or drop the flag.")
+    uses_sigma = config.uses_negative_samples
+    # rm_type 'rlhf' keeps "higher = better", so the bad outputs need beta < 0; the indicator and the toxicity
+    # log-probability are high on bad outputs, so there beta > 0 targets them.
+    sign, wanted = (-1, "< 0") if config.rm_type == "rlhf" else (1, "> 0")
+    beta_used = uses_sigma and (config.separate_reweighting_beta is None or config.uses_proposal_model)
+    if beta_used and not config.target_dist_beta * sign > 0:
+        fail(
+            f"target_dist_beta={config.target_dist_beta} with rm_type={config.rm_type!r}: loss_type="
+            f"{config.loss_type!r} targets sigma ∝ p·exp(beta·R), which must put its mass on the bad (low-reward) "
+            f"outputs; set target_dist_beta {wanted} (the paper uses -1 ... -30 with rm_type='rlhf', and 1 with "
+            "'indicator_below_threshold')."
+        )
+    if config.anneal_target_dist_beta is not None and not (
+        config.anneal_target_dist_beta * sign > 0 and config.target_dist_beta * sign > 0
+    ):
+        fail(
+            f"anneal_target_dist_beta={config.anneal_target_dist_beta} -> target_dist_beta={config.target_dist_beta}: "
+            f"a log-spaced beta schedule needs both values {wanted} with rm_type={config.rm_type!r}."
+        )
+
+
+def check_negative_sampler(config, fail) -> None:
+    """`negative_sampler`: the learned proposal's samples, or SMC with the proposal as its twist (which then needs a
+    trained proposal, temperature 1 and its own weights)."""
+    if config.negative_sampler not in ("proposal", "smc"):
+        fail(f"negative_sampler={config.negative_sampler!r}: choose 'proposal' or 'smc'.")
+    if not 0.0 <= config.smc_ess_threshold <= 1.0:
+        fail(f"smc_ess_threshold={config.smc_ess_threshold}: choose a value in [0, 1].")
+    if config.negative_sampler != "smc":
+        return
+    if not config.uses_proposal_model:
+        fail(
+            "negative_sampler='smc' uses the learned proposal as the SMC twist, but no proposal is trained "
+            f"(loss_type={config.loss_type!r}, use_base_as_proposal={config.use_base_as_proposal}); use a loss with "
+            "negative samples (e.g. 'neg_training') without use_base_as_proposal, or negative_sampler='proposal'."
+        )
+    if config.temperature != 1.0:
+        fail(
+            f"negative_sampler='smc' targets σ ∝ p_θ·φ with p_θ at temperature 1, but temperature="
+            f"{config.temperature}; set temperature=1.0 or use negative_sampler='proposal'."
+        )
+    if config.uniform_reweight or config.separate_reweighting_beta is not None:
+        fail(
+            "negative_sampler='smc' weights the negatives with the sampler's own weights; uniform_reweight and "
+            "separate_reweighting_beta only apply to negative_sampler='proposal'."
+        )
+    if "neg_rewards" in inspect.signature(get_loss_spec(config.loss_type).fn).parameters:
+        fail(
+            f"loss_type={config.loss_type!r} also takes the negatives' returns, measured on the proposal's samples; "
+            "negative_sampler='smc' replaces those samples. Use negative_sampler='proposal'."
+        )
