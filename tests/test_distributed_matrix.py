@@ -16,9 +16,9 @@ checks that
 
 The default suite keeps one cell per trainer, covering every engine (:data:`DEFAULT_CELLS`); the other 21 are `slow`.
 :func:`test_frozen_models_placement` runs the online trainers with their frozen models placed the other way
-(``frozen_models_placement``): PPO under FSDP2 with ``sharded`` (default suite), RePULSe under FSDP2 with
-``sharded`` and PPO under ZeRO-3 with ``replicated`` (`slow`), each equivalent to the 1-process run and to the same
-engine's run with the default placement.
+(``frozen_models_placement``): PPO under FSDP2 with ``sharded`` (default suite), RePULSe and the proposal trainer
+under FSDP2 with ``sharded`` and PPO under ZeRO-3 with ``replicated`` (`slow`), each equivalent to the 1-process run
+and to the same engine's run with the default placement.
 The RePULSe cells also check the rank-dependent parts of the run on its negative-data JSONL (every sample is saved):
 written once, by the main process, with the same rows as the 1-process run, and every prompt sampled by exactly one
 process per epoch. :func:`test_processes_sample_from_their_own_random_streams` checks that, without ``seed_per_row``,
@@ -135,6 +135,7 @@ def test_cell_runs_saves_and_matches_one_process(name, engine, workdir, one_proc
 FROZEN_PLACEMENT_CELLS = [
     pytest.param("ppo", "fsdp2", "sharded", id="ppo-fsdp2-sharded"),
     pytest.param("repulse", "fsdp2", "sharded", marks=pytest.mark.slow, id="repulse-fsdp2-sharded"),
+    pytest.param("proposal", "fsdp2", "sharded", marks=pytest.mark.slow, id="proposal-fsdp2-sharded"),
     pytest.param("ppo", "zero3", "replicated", marks=[pytest.mark.slow, NEEDS_DEEPSPEED], id="ppo-zero3-replicated"),
 ]
 
@@ -145,7 +146,8 @@ def test_frozen_models_placement(name, engine, placement, workdir, one_process_r
     frozen models are placed that way (the recipe says whether they ended up sharded), it trains, saves models that
     load, and ends with the weights and logs of the 1-process run and of the same engine's run with the default
     placement (replicated under FSDP2, sharded under ZeRO-3), within the cells' tolerances. PPO's frozen models are a
-    reference and a reward model (scored through its backbone and head), RePULSe's the reference ``p_0``."""
+    reference and a reward model (scored through its backbone and head); RePULSe's and the proposal trainer's the
+    reference ``p_0`` (their toy rewards are lexical)."""
     run = two_process_runs(name, engine, "--frozen_models_placement", placement)
     assert ("frozen models sharded" in run.output) == (placement == "sharded"), run.output[-3000:]
     assert_loads_with_from_pretrained(run.output_dir, name)

@@ -10,8 +10,8 @@
   and head run as its forward, the reference through its own forward), and the shared-prefix passes, whose number of
   forward calls depends on each process's rows, step aside for it.
 
-The 2-process runs (PPO and RePULSe under FSDP2 with ``sharded``, PPO under ZeRO-3 with ``replicated``, each equal to
-the replicated / 1-process run) are in `test_distributed_matrix.py`.
+The 2-process runs (PPO, RePULSe and the proposal trainer under FSDP2 with ``sharded``, PPO under ZeRO-3 with
+``replicated``, each equal to the replicated / 1-process run) are in `test_distributed_matrix.py`.
 """
 
 from __future__ import annotations
