@@ -152,3 +152,28 @@ def test_top_k_and_top_p_warn_that_they_bias_the_kl(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         config(tmp_path, top_k=0, top_p=1.0)
+
+
+def test_shared_docstring_entries_are_filled_in_once():
+    """`document_shared_options` fills every ``{..._options}`` line of the configs' docstrings: each shared entry
+    stands exactly once in each config that has it, no placeholder is left, and an unknown one is an error."""
+    from trl_ext import DPOConfig, HarmlessnessConfig, KDConfig, KTOConfig, PRMConfig, ProposalConfig
+    from trl_ext.trainers.common.online_config import OnlineConfig
+    from trl_ext.trainers.common.shared_docs import document_shared_options
+
+    online = (PPOConfig, HarmlessnessConfig, ProposalConfig, OnlineConfig)
+    for cls in (*online, KDConfig, DPOConfig, KTOConfig, PRMConfig):
+        assert "_options}" not in cls.__doc__, cls.__name__
+        assert cls.__doc__.count("allow_rng_reset (`") == 1, cls.__name__
+    for cls in online:
+        for entry in ("padding_free (`", "compile_generation (`", "frozen_models_placement (`"):
+            assert cls.__doc__.count(entry) == 1, (cls.__name__, entry)
+
+    class Documented:
+        """Parameters:
+        {resume_options}
+        {typo_options}
+        """
+
+    with pytest.raises(ValueError, match=r"Documented's docstring names unknown shared entries: \['typo_options'\]"):
+        document_shared_options(Documented)

@@ -25,10 +25,12 @@ from .common.finite import FiniteStepsArguments, FiniteStepsMixin
 from .common.model_card import CompleteModelCard
 from .common.resume import VerifiedResumeMixin
 from .common.resume_config import ResumeConfigMixin
+from .common.shared_docs import document_shared_options
 
 __all__ = ["KDConfig", "KDTrainer"]
 
 
+@document_shared_options
 @dataclass
 class KDConfig(FiniteStepsArguments, ResumeConfigMixin, SFTConfig):
     r"""
@@ -60,14 +62,7 @@ class KDConfig(FiniteStepsArguments, ResumeConfigMixin, SFTConfig):
             Temperature ``τ`` applied to both the student's and the teacher's logits inside the KD term only (the NLL
             term uses the raw logits). No ``τ²`` factor is applied; scale `kd_coef` if you want one.
 
-        > Parameters that control resuming (trl_ext additions)
-
-        allow_rng_reset (`bool`, *optional*, defaults to `False`):
-            Resume from a checkpoint that has no RNG state files (`rng_state.pth`, or `rng_state_<rank>.pth` per
-            process) with fresh random-number generators, with a warning (the run then differs from an uninterrupted
-            one). `False`: such a checkpoint is refused. Every checkpoint is checked against its
-            `trl_ext_manifest.json` (size and SHA-256 of each file) before it is loaded.
-
+        {resume_options}
         > Parameters that control non-finite steps (trl_ext addition)
 
         max_consecutive_skipped_steps (`int`, *optional*, defaults to `10`):

@@ -40,6 +40,7 @@ from .common.finite import FiniteStepsArguments, FiniteStepsMixin
 from .common.model_card import CompleteModelCard
 from .common.resume import VerifiedResumeMixin
 from .common.resume_config import ResumeConfigMixin
+from .common.shared_docs import document_shared_options
 
 __all__ = [
     "PRMConfig",
@@ -51,6 +52,7 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------------------------------------ config
+@document_shared_options
 @dataclass
 class PRMConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
     r"""
@@ -90,14 +92,7 @@ class PRMConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
         dataset_num_proc (`int`, *optional*):
             Processes used to tokenise the dataset.
 
-        > Parameters that control resuming (trl_ext additions)
-
-        allow_rng_reset (`bool`, *optional*, defaults to `False`):
-            Resume from a checkpoint that has no RNG state files (`rng_state.pth`, or `rng_state_<rank>.pth` per
-            process) with fresh random-number generators, with a warning (the run then differs from an uninterrupted
-            one). `False`: such a checkpoint is refused. Every checkpoint is checked against its
-            `trl_ext_manifest.json` (size and SHA-256 of each file) before it is loaded.
-
+        {resume_options}
         > Parameters that control non-finite steps
 
         max_consecutive_skipped_steps (`int`, *optional*, defaults to `10`):

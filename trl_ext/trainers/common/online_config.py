@@ -27,64 +27,19 @@ from ...rollout.finite import NONFINITE_REWARD_OPTIONS
 from .finite import FiniteStepsArguments
 from .precision import default_bf16_off_without_gpu
 from .resume_config import ResumeConfigMixin
+from .shared_docs import document_shared_options
 
 __all__ = [
     "FROZEN_MODEL_PLACEMENTS",
-    "ROLLOUT_OPTIONS_DOC",
     "OnlineConfig",
     "TwistTargetConfig",
-    "document_rollout_options",
 ]
 
 FROZEN_MODEL_PLACEMENTS = ("auto", "sharded", "replicated")
 """The values of ``frozen_models_placement`` (`trl_ext.trainers.common.frozen`)."""
 
 
-#: The rollout-speed options' docstring entries, shared by every online config (:func:`document_rollout_options`
-#: inserts them after the ``ds3_gather_for_generation`` entry).
-ROLLOUT_OPTIONS_DOC = """\
-        padding_free (`bool`, *optional*, defaults to `False`):
-            trl_ext addition. Run the training forward passes with the rows of each micro-batch packed into one
-            sequence (per-row `position_ids`, no padding tokens; same losses and gradients). Needs an attention
-            implementation that keeps packed rows apart (`sdpa`, `eager`, `flex_attention`, `flash_attention_2`;
-            checked when the trainer starts). It pays off with flash-attention's varlen kernels on GPU; with
-            `sdpa`/`eager` the attention mask of `N` packed tokens is a dense `N × N`. RePULSe and the proposal
-            trainer: only with a twist read from token log-probs (`policy_psi_q_p_s_t`, `policy_psi_q_p_s_1_to_t`)
-            and a twist loss other than DPG.
-        seed_per_row (`bool`, *optional*, defaults to `False`):
-            Draw each sampled token from a random stream keyed by (seed, rollout, global row, position) instead of
-            each process's own RNG: N processes then sample exactly what one process with an N× larger per-device
-            batch samples.
-        shared_prefix_rollouts (`bool`, *optional*, defaults to `True`):
-            With `num_samples_per_prompt > 1`, run each distinct prompt once and fan its key/value cache out to its
-            samples: in generation (the same logits up to rounding, hence in fp32 the same samples for a given seed)
-            and, for fp32 models, in the reference, separate-critic and reward-model scoring passes (the same numbers
-            up to rounding). `False`: every sample's prompt is run again.
-        compile_generation (`bool`, *optional*, defaults to `False`):
-            trl_ext addition. Sample with a compiled decode step: `generate` decodes on a static key/value cache and
-            compiles its per-token forward (backend and mode: `torch_compile_backend` / `torch_compile_mode` when
-            set, else inductor / `"reduce-overhead"`), on any device; same logits up to rounding (in fp32, the same
-            samples for a seed). The first rollouts pay the compile time; modulated policies decode eagerly.
-"""
-
-
-def document_rollout_options(cls):
-    """Class decorator: insert :data:`ROLLOUT_OPTIONS_DOC` into ``cls.__doc__`` after its
-    ``ds3_gather_for_generation`` entry."""
-    doc = cls.__doc__ or ""
-    at = doc.find("        ds3_gather_for_generation (")
-    if at < 0:
-        raise ValueError(f"{cls.__name__}'s docstring has no ds3_gather_for_generation entry to follow.")
-    lines = doc[at:].split("\n")
-    n = 1
-    while n < len(lines) and lines[n].startswith("            "):
-        n += 1
-    end = at + len("\n".join(lines[:n])) + 1
-    cls.__doc__ = doc[:end] + ROLLOUT_OPTIONS_DOC + doc[end:]
-    return cls
-
-
-@document_rollout_options
+@document_shared_options
 @dataclass
 class OnlineConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
     r"""
@@ -113,6 +68,7 @@ class OnlineConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
             Rows per generation call and per no-grad scoring pass.
         ds3_gather_for_generation (`bool`, *optional*, defaults to `True`):
             Under DeepSpeed ZeRO-3, gather the weights once per generation call.
+        {rollout_options}
 
         > Parameters that control the rewards
 
@@ -163,14 +119,7 @@ class OnlineConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
         eval_with_ema (`bool`, *optional*, defaults to `False`):
             `evaluate()` and the sample-completion tables use the EMA weights (swapped in, then swapped back).
 
-        > Parameters that control resuming (trl_ext additions)
-
-        allow_rng_reset (`bool`, *optional*, defaults to `False`):
-            Resume from a checkpoint that has no RNG state files (`rng_state.pth`, or `rng_state_<rank>.pth` per
-            process) with fresh random-number generators, with a warning (the run then differs from an uninterrupted
-            one). `False`: such a checkpoint is refused. Every checkpoint is checked against its
-            `trl_ext_manifest.json` (size and SHA-256 of each file) before it is loaded.
-
+        {resume_options}
     > [!NOTE]
     > Defaults that differ from [`~transformers.TrainingArguments`]: `logging_steps=10`, activation checkpointing on,
     > and `bf16` on when `fp16` is off *and a GPU (or XPU) is present*; on a CPU-only machine (or with

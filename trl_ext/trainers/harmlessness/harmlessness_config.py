@@ -11,8 +11,9 @@ from ...losses.reinforce import ALPHA_CONVENTIONS, BASELINES
 from ...models.twist import MODULATION_PARAMETERIZATIONS, POLICY_PARAMETERIZATIONS
 from ...ops.kl import KL_ESTIMATORS
 from ...rewards import REWARD_TRANSFORMS, RM_TYPES
-from ..common.online_config import TwistTargetConfig, document_rollout_options
+from ..common.online_config import TwistTargetConfig
 from ..common.ptx_config import PtxConfigMixin
+from ..common.shared_docs import document_shared_options
 from ..common.vllm_config import VLLMConfigMixin, document_vllm_options
 from .config_checks import check_negative_sampler, check_target
 
@@ -28,7 +29,7 @@ REWARD_TRANSFORM_NAMES: tuple[str, ...] = REWARD_TRANSFORMS
 
 
 @document_vllm_options
-@document_rollout_options
+@document_shared_options
 @dataclass
 class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, TwistTargetConfig):
     r"""
@@ -164,6 +165,7 @@ class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, TwistTargetConfig):
             Rows per generation call and per no-grad scoring pass.
         ds3_gather_for_generation (`bool`, *optional*, defaults to `True`):
             Under DeepSpeed ZeRO-3, gather the weights once per generation call.
+        {rollout_options}
 
         > Parameters that control the schedule and the models
 
@@ -208,19 +210,7 @@ class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, TwistTargetConfig):
         save_negdata_threshold (`float`, *optional*, defaults to `-5.0`):
             Raw-reward threshold of `save_negdata`, also the threshold of the logged `p_bad`.
 
-        > Parameters that control where the frozen models are kept (trl_ext additions)
-
-        ref_offload (`bool`, *optional*, defaults to `False`):
-            Keep the separate frozen reference model on the CPU and move it to the accelerator only for its forward
-            passes (once per rollout): same results, less accelerator memory, extra host-to-device copies. Not under
-            DeepSpeed (use ZeRO-3's `offload_param`).
-        reward_offload (`bool`, *optional*, defaults to `False`):
-            The same for a reward model (an `nn.Module`; nothing to do for reward functions or servers).
-        frozen_models_placement (`str`, *optional*, defaults to `"auto"`):
-            The frozen reference and reward model: `"auto"` (sharded under ZeRO-3, a full copy per device otherwise),
-            `"sharded"` (ZeRO-3 or FSDP2 only; not with the offload options) or `"replicated"` (a full copy on every
-            device, also under ZeRO-3: no all-gathers when scoring); see `OnlineConfig`.
-
+        {frozen_models_options}
         > Parameters that control the EMA of the policy (trl_ext additions)
 
         ema_beta (`float`, *optional*):
@@ -236,14 +226,7 @@ class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, TwistTargetConfig):
         eval_with_ema (`bool`, *optional*, defaults to `False`):
             `evaluate()` samples from the policy's EMA weights (swapped in, then swapped back).
 
-        > Parameters that control resuming (trl_ext additions)
-
-        allow_rng_reset (`bool`, *optional*, defaults to `False`):
-            Resume from a checkpoint that has no RNG state files (`rng_state.pth`, or `rng_state_<rank>.pth` per
-            process) with fresh random-number generators, with a warning (the run then differs from an uninterrupted
-            one). `False`: such a checkpoint is refused. Every checkpoint is checked against its
-            `trl_ext_manifest.json` (size and SHA-256 of each file) before it is loaded.
-
+        {resume_options}
         > Parameters that control non-finite steps (trl_ext additions)
 
         max_consecutive_skipped_steps (`int`, *optional*, defaults to `10`):

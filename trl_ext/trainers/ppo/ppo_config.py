@@ -11,8 +11,9 @@ from transformers import TrainingArguments
 
 from ...losses import AGGREGATIONS, get_loss_spec
 from ...ops.kl import KL_ESTIMATORS
-from ..common.online_config import OnlineConfig, document_rollout_options
+from ..common.online_config import OnlineConfig
 from ..common.ptx_config import PtxConfigMixin
+from ..common.shared_docs import document_shared_options
 from ..common.vllm_config import VLLMConfigMixin, document_vllm_options
 from .config_checks import ACTOR_LOSS_KINDS, REINFORCE_BASELINES, check_actor_loss, check_freezing_actor
 
@@ -20,7 +21,7 @@ __all__ = ["PPOConfig", "ACTOR_LOSS_KINDS", "REINFORCE_BASELINES"]
 
 
 @document_vllm_options
-@document_rollout_options
+@document_shared_options
 @dataclass
 class PPOConfig(VLLMConfigMixin, PtxConfigMixin, OnlineConfig):
     r"""
@@ -76,6 +77,7 @@ class PPOConfig(VLLMConfigMixin, PtxConfigMixin, OnlineConfig):
         ds3_gather_for_generation (`bool`, *optional*, defaults to `True`):
             Under DeepSpeed ZeRO-3, gather the policy weights once per generation call (fast); `False` generates with
             sharded weights (slow, but fits models larger than one GPU).
+        {rollout_options}
 
         > Parameters that control the rewards
 
@@ -190,19 +192,7 @@ class PPOConfig(VLLMConfigMixin, PtxConfigMixin, OnlineConfig):
         num_sample_generations (`int`, *optional*, defaults to `10`):
             Number of sample-completion tables printed during training (on `eval_dataset`; `0`: none).
 
-        > Parameters that control where the frozen models are kept (trl_ext additions)
-
-        ref_offload (`bool`, *optional*, defaults to `False`):
-            Keep the separate frozen reference model on the CPU and move it to the accelerator only for its forward
-            passes (once per rollout): same results, less accelerator memory, extra host-to-device copies. Not under
-            DeepSpeed (use ZeRO-3's `offload_param`).
-        reward_offload (`bool`, *optional*, defaults to `False`):
-            The same for a reward model (an `nn.Module`; nothing to do for reward functions or servers).
-        frozen_models_placement (`str`, *optional*, defaults to `"auto"`):
-            The frozen reference and reward model: `"auto"` (sharded under ZeRO-3, a full copy per device otherwise),
-            `"sharded"` (ZeRO-3 or FSDP2 only; not with the offload options) or `"replicated"` (a full copy on every
-            device, also under ZeRO-3: no all-gathers when scoring); see `OnlineConfig`.
-
+        {frozen_models_options}
         > Parameters that control the EMA of the policy (trl_ext additions)
 
         ema_beta (`float`, *optional*):
@@ -218,14 +208,7 @@ class PPOConfig(VLLMConfigMixin, PtxConfigMixin, OnlineConfig):
         eval_with_ema (`bool`, *optional*, defaults to `False`):
             `evaluate()` and the sample-completion tables use the policy's EMA weights (swapped in, then back).
 
-        > Parameters that control resuming (trl_ext additions)
-
-        allow_rng_reset (`bool`, *optional*, defaults to `False`):
-            Resume from a checkpoint that has no RNG state files (`rng_state.pth`, or `rng_state_<rank>.pth` per
-            process) with fresh random-number generators, with a warning (the run then differs from an uninterrupted
-            one). `False`: such a checkpoint is refused. Every checkpoint is checked against its
-            `trl_ext_manifest.json` (size and SHA-256 of each file) before it is loaded.
-
+        {resume_options}
         > Derived batch sizes (set from the others; values passed in are overwritten)
 
         world_size (`int`): number of processes. local_batch_size (`int`): `per_device_train_batch_size ×

@@ -24,6 +24,7 @@ from ..common.model_card import CompleteModelCard
 from ..common.precision import default_bf16_off_without_gpu
 from ..common.resume import VerifiedResumeMixin
 from ..common.resume_config import ResumeConfigMixin
+from ..common.shared_docs import document_shared_options
 from .checks import DPO_LOSS_TYPES, check_config, check_dpo_dataset
 from .common import (
     _DUPLICATES_TRL_LOSS,
@@ -43,6 +44,7 @@ __all__ = ["DPOConfig", "DPOTrainer"]
 _NON_MODEL_KEYS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
 
 
+@document_shared_options
 @dataclass
 class DPOConfig(FiniteStepsArguments, ExtraLossArguments, ResumeConfigMixin, trl.DPOConfig):
     r"""
@@ -83,14 +85,7 @@ class DPOConfig(FiniteStepsArguments, ExtraLossArguments, ResumeConfigMixin, trl
         extra_loss_kwargs (`dict`, *optional*):
             Further keyword arguments of the extra loss (a JSON object on the command line).
 
-        > Parameters that control resuming (trl_ext additions)
-
-        allow_rng_reset (`bool`, *optional*, defaults to `False`):
-            Resume from a checkpoint that has no RNG state files (`rng_state.pth`, or `rng_state_<rank>.pth` per
-            process) with fresh random-number generators, with a warning (the run then differs from an uninterrupted
-            one). `False`: such a checkpoint is refused. Every checkpoint is checked against its
-            `trl_ext_manifest.json` (size and SHA-256 of each file) before it is loaded.
-
+        {resume_options}
         > Parameters that control non-finite steps (trl_ext addition)
 
         max_consecutive_skipped_steps (`int`, *optional*, defaults to `10`):

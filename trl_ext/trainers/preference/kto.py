@@ -20,6 +20,7 @@ from ..common.model_card import CompleteModelCard
 from ..common.precision import default_bf16_off_without_gpu
 from ..common.resume import VerifiedResumeMixin
 from ..common.resume_config import ResumeConfigMixin
+from ..common.shared_docs import document_shared_options
 from .checks import check_config, check_kto_dataset, kto_loss_types
 from .common import (
     ExtraLoss,
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["KTOConfig", "KTOTrainer"]
 
 
+@document_shared_options
 @dataclass
 class KTOConfig(FiniteStepsArguments, ExtraLossArguments, ResumeConfigMixin, trl.KTOConfig):
     r"""
@@ -69,14 +71,7 @@ class KTOConfig(FiniteStepsArguments, ExtraLossArguments, ResumeConfigMixin, trl
         extra_loss_kwargs (`dict`, *optional*):
             Further keyword arguments of the extra loss (a JSON object on the command line).
 
-        > Parameters that control resuming (trl_ext additions)
-
-        allow_rng_reset (`bool`, *optional*, defaults to `False`):
-            Resume from a checkpoint that has no RNG state files (`rng_state.pth`, or `rng_state_<rank>.pth` per
-            process) with fresh random-number generators, with a warning (the run then differs from an uninterrupted
-            one). `False`: such a checkpoint is refused. Every checkpoint is checked against its
-            `trl_ext_manifest.json` (size and SHA-256 of each file) before it is loaded.
-
+        {resume_options}
         > Parameters that control non-finite steps (trl_ext addition)
 
         max_consecutive_skipped_steps (`int`, *optional*, defaults to `10`):

@@ -1,0 +1,86 @@
+"""Docstring entries that several configs share, written once: a config's docstring holds a line ``{name}`` (indented
+like its entries) where one goes, and the class decorator :func:`document_shared_options` puts it there.
+
+- ``{rollout_options}``: the rollout-speed options of the online configs (:data:`ROLLOUT_OPTIONS_DOC`);
+- ``{frozen_models_options}``: where PPO's, RePULSe's and the proposal trainer's frozen models are kept
+  (:data:`FROZEN_MODELS_DOC`);
+- ``{resume_options}``: `ResumeConfigMixin`'s option, in every config that resumes (:data:`RESUME_DOC`).
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["FROZEN_MODELS_DOC", "RESUME_DOC", "ROLLOUT_OPTIONS_DOC", "document_shared_options"]
+
+ROLLOUT_OPTIONS_DOC = """\
+        padding_free (`bool`, *optional*, defaults to `False`):
+            trl_ext addition. Run the training forward passes with the rows of each micro-batch packed into one
+            sequence (per-row `position_ids`, no padding tokens; same losses and gradients). Needs an attention
+            implementation that keeps packed rows apart (`sdpa`, `eager`, `flex_attention`, `flash_attention_2`;
+            checked when the trainer starts). It pays off with flash-attention's varlen kernels on GPU; with
+            `sdpa`/`eager` the attention mask of `N` packed tokens is a dense `N × N`. RePULSe and the proposal
+            trainer: only with a twist read from token log-probs (`policy_psi_q_p_s_t`, `policy_psi_q_p_s_1_to_t`)
+            and a twist loss other than DPG.
+        seed_per_row (`bool`, *optional*, defaults to `False`):
+            Draw each sampled token from a random stream keyed by (seed, rollout, global row, position) instead of
+            each process's own RNG: N processes then sample exactly what one process with an N× larger per-device
+            batch samples.
+        shared_prefix_rollouts (`bool`, *optional*, defaults to `True`):
+            With `num_samples_per_prompt > 1`, run each distinct prompt once and fan its key/value cache out to its
+            samples: in generation (the same logits up to rounding, hence in fp32 the same samples for a given seed)
+            and, for fp32 models, in the reference, separate-critic and reward-model scoring passes (the same numbers
+            up to rounding). `False`: every sample's prompt is run again.
+        compile_generation (`bool`, *optional*, defaults to `False`):
+            trl_ext addition. Sample with a compiled decode step: `generate` decodes on a static key/value cache and
+            compiles its per-token forward (backend and mode: `torch_compile_backend` / `torch_compile_mode` when
+            set, else inductor / `"reduce-overhead"`), on any device; same logits up to rounding (in fp32, the same
+            samples for a seed). The first rollouts pay the compile time; modulated policies decode eagerly.
+"""
+
+FROZEN_MODELS_DOC = """\
+        > Parameters that control where the frozen models are kept (trl_ext additions)
+
+        ref_offload (`bool`, *optional*, defaults to `False`):
+            Keep the separate frozen reference model on the CPU and move it to the accelerator only for its forward
+            passes (once per rollout): same results, less accelerator memory, extra host-to-device copies. Not under
+            DeepSpeed (use ZeRO-3's `offload_param`).
+        reward_offload (`bool`, *optional*, defaults to `False`):
+            The same for a reward model (an `nn.Module`; nothing to do for reward functions or servers).
+        frozen_models_placement (`str`, *optional*, defaults to `"auto"`):
+            The frozen reference and reward model: `"auto"` (sharded under ZeRO-3, a full copy per device otherwise),
+            `"sharded"` (ZeRO-3 or FSDP2 only; not with the offload options) or `"replicated"` (a full copy on every
+            device, also under ZeRO-3: no all-gathers when scoring); see `OnlineConfig`.
+
+"""
+
+RESUME_DOC = """\
+        > Parameters that control resuming (trl_ext additions)
+
+        allow_rng_reset (`bool`, *optional*, defaults to `False`):
+            Resume from a checkpoint that has no RNG state files (`rng_state.pth`, or `rng_state_<rank>.pth` per
+            process) with fresh random-number generators, with a warning (the run then differs from an uninterrupted
+            one). `False`: such a checkpoint is refused. Every checkpoint is checked against its
+            `trl_ext_manifest.json` (size and SHA-256 of each file) before it is loaded.
+
+"""
+
+_SHARED_DOCS = {
+    "rollout_options": ROLLOUT_OPTIONS_DOC,
+    "frozen_models_options": FROZEN_MODELS_DOC,
+    "resume_options": RESUME_DOC,
+}
+
+
+def document_shared_options(cls):
+    """Class decorator: replace each line ``{rollout_options}``, ``{frozen_models_options}`` and
+    ``{resume_options}`` of ``cls.__doc__`` with :data:`ROLLOUT_OPTIONS_DOC`, :data:`FROZEN_MODELS_DOC` and
+    :data:`RESUME_DOC`, so that options shared by several configs are documented once."""
+    doc = cls.__doc__ or ""
+    for name, text in _SHARED_DOCS.items():
+        doc = doc.replace(f"        {{{name}}}\n", text)
+    left = re.findall(r"^ *\{(\w+_options)\}$", doc, re.M)
+    if left:
+        raise ValueError(f"{cls.__name__}'s docstring names unknown shared entries: {left}.")
+    cls.__doc__ = doc
+    return cls
