@@ -6,6 +6,7 @@
     python bench/ppo_vs_trl112.py --profile    # ours only: time per phase from its `timing/*` metrics
     python bench/ppo_vs_trl112.py --model smollm2 --batch 8 --new-tokens 16          # SmolLM2-135M, short prompts
     python bench/ppo_vs_trl112.py --model smollm2 --prompt-tokens 128 --samples-per-prompt 4   # summarisation-like
+    python bench/ppo_vs_trl112.py --model smollm2 --batch 8 --new-tokens 16 --full-length   # same decode lengths
 
 TRL removed its PPO trainer in 1.13; 1.12 is the last release that has it, so that is the peer. Both trainers run the
 same job, with the same weights, prompts and seed:
@@ -92,6 +93,12 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=JOB["response_length"], help="max new tokens a response")
     parser.add_argument("--prompt-tokens", type=int, default=0, help="prompts of exactly N tokens (0: the kit's own)")
     parser.add_argument("--samples-per-prompt", type=int, default=1, help="responses per prompt (see the docstring)")
+    parser.add_argument(
+        "--full-length",
+        action="store_true",
+        help="every response runs the full --new-tokens on both sides (no stop token; the peer's policy loses its "
+        "generation-config eos): the same decode steps and row widths on both sides, whatever they sample",
+    )
 
 
 def job_for(args: argparse.Namespace) -> dict:
@@ -102,7 +109,16 @@ def job_for(args: argparse.Namespace) -> dict:
     job["gradient_accumulation_steps"] = args.batch // args.micro_batch
     side_job = {side: dict(values) for side, values in SIDE_JOB.items()}
     side_job["ours"]["num_samples_per_prompt"] = args.samples_per_prompt
-    return {"job": job, "side_job": side_job, "batch": args.batch, "samples_per_prompt": args.samples_per_prompt}
+    full_length = getattr(args, "full_length", False)
+    if full_length:
+        job["stop_token"] = None
+    return {
+        "job": job,
+        "side_job": side_job,
+        "batch": args.batch,
+        "samples_per_prompt": args.samples_per_prompt,
+        "full_length": full_length,
+    }
 
 
 # --------------------------------------------------------------------------------------------------------- assets
@@ -258,9 +274,12 @@ def _timed(fn, timers: dict, phase):
     return wrapper
 
 
-def _build_peer(paths: dict, job: dict, output_dir: str, timers: dict, samples_per_prompt: int = 1):
+def _build_peer(
+    paths: dict, job: dict, output_dir: str, timers: dict, samples_per_prompt: int = 1, full_length: bool = False
+):
     """TRL 1.12's PPO, set up the way its documentation does: tokenised prompts, left padding, explicit models.
     With ``samples_per_prompt > 1`` the dataset holds each prompt that many times (TRL 1.12 has no such option).
+    ``full_length``: the policy's generation config loses its eos, so every row decodes ``response_length`` tokens.
 
     TRL 1.12 logs no phase times, so its module-level helpers are wrapped with timers (read-only instrumentation, a
     few microseconds a call): `batch_generation` is generation; the reference `forward` and the two `get_reward`
@@ -279,10 +298,13 @@ def _build_peer(paths: dict, job: dict, output_dir: str, timers: dict, samples_p
     rows = [tokenizer(p)["input_ids"] for p in prompts for _ in range(samples_per_prompt)]
     dataset = Dataset.from_dict({"input_ids": rows})
     args = PPOConfig(output_dir=output_dir, **job)
+    policy = AutoModelForCausalLM.from_pretrained(paths["policy"])
+    if full_length:  # `generate` would still stop once every row has sampled the eos of the saved generation config
+        policy.generation_config.eos_token_id = None
     trainer = PPOTrainer(
         args=args,
         processing_class=tokenizer,
-        model=AutoModelForCausalLM.from_pretrained(paths["policy"]),
+        model=policy,
         ref_model=AutoModelForCausalLM.from_pretrained(paths["policy"]),
         reward_model=AutoModelForSequenceClassification.from_pretrained(paths["reward"], num_labels=1),
         value_model=AutoModelForSequenceClassification.from_pretrained(paths["value"], num_labels=1),
@@ -362,8 +384,11 @@ def run_worker(args: argparse.Namespace) -> dict:
     rss_imports = _rss_bytes()
     with tempfile.TemporaryDirectory() as output_dir:
         t0 = time.perf_counter()
-        build = _build_ours if args.worker == "ours" else _build_peer
-        trainer = build(assets["paths"], job, output_dir, timers, spec["samples_per_prompt"])
+        if args.worker == "ours":  # ours samples with its own settings only: no stop token means full length
+            trainer = _build_ours(assets["paths"], job, output_dir, timers, spec["samples_per_prompt"])
+        else:
+            full_length = spec.get("full_length", False)
+            trainer = _build_peer(assets["paths"], job, output_dir, timers, spec["samples_per_prompt"], full_length)
         trainer.add_callback(_Clock())
         setup_s = time.perf_counter() - t0
         rss_before_train = _rss_bytes()
@@ -528,7 +553,8 @@ def main() -> None:
             f"batch {args.batch} ({job['per_device_train_batch_size']} x {job['gradient_accumulation_steps']} "
             f"micro-batches, {args.samples_per_prompt} samples per prompt), {args.prompt_tokens or 'kit (5-15)'} "
             f"prompt tokens, {job['response_length']} new tokens, {job['num_ppo_epochs']} PPO epochs; "
-            f"{args.updates} updates per run (assets built in {time.perf_counter() - t0:.1f} s)",
+            f"{args.updates} updates per run{', full-length responses' if args.full_length else ''} (assets built in "
+            f"{time.perf_counter() - t0:.1f} s)",
             flush=True,
         )
         results: dict[str, list[dict]] = {side: [] for side in SIDES}
