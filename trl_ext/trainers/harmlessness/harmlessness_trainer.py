@@ -33,7 +33,7 @@ from torch import nn
 from trl.trainer.base_trainer import _BaseTrainer
 
 from ...losses import LossOutput, get_loss_spec
-from ...losses.weights import ORIGINAL_INDICATOR_THRESHOLD, sigma_weights
+from ...losses.weights import ORIGINAL_INDICATOR_THRESHOLD
 from ...ops import kl_estimate, masked_sum
 from ...rewards import log_target_weight
 from ...rollout.data import left_padded
@@ -62,6 +62,7 @@ from .steps import (
     HarmlessnessRollouts,
     group,
     log_spaced_value,
+    negative_sample_weights,
     reward_shapings,
     stack_rollouts,
 )
@@ -540,21 +541,9 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
     def neg_weights(
         self, rollouts: HarmlessnessRollouts, rewards: HarmlessnessRewards, weight_logprobs: torch.Tensor
     ) -> torch.Tensor:
-        """``(P, N)`` σ-weights of the negative samples (`trl_ext.losses.weights.sigma_weights`, masked sums — the
-        fix of B1): ``softmax_N(Σ_t log p_θ(s̃_t) + log φ(s̃) − Σ_t log q_old(s̃_t))`` per prompt, or uniform, times
-        the indicator with ``indicator_mask``. ``weight_logprobs``: ``(B, T)`` ``log p_θ`` on those samples."""
-        args, N = self.args, self.args.num_samples_per_prompt
-        if args.use_base_as_proposal:
-            rollout, log_phi = rollouts.policy, rewards.policy_log_phi
-        else:
-            rollout, log_phi = rollouts.proposal, rewards.proposal_log_phi
-        if args.separate_reweighting_beta is not None:
-            log_phi = args.separate_reweighting_beta * rollout.scores.float()
-        return sigma_weights(
-            group(weight_logprobs, N), group(rollout.logprobs, N), group(log_phi, N), group(rollout.response_mask, N),
-            indicator_threshold=ORIGINAL_INDICATOR_THRESHOLD if args.indicator_mask else None,
-            uniform=args.uniform_reweight,
-        )  # fmt: skip
+        """``(P, N)`` σ-weights of the negative samples (:func:`~.steps.negative_sample_weights`);
+        ``weight_logprobs``: ``(B, T)`` ``log p_θ`` on those samples."""
+        return negative_sample_weights(self.args, rollouts, rewards, weight_logprobs)
 
     def compute_policy_loss(
         self,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...losses.weights import effective_sample_size
+from ...losses.weights import ORIGINAL_INDICATOR_THRESHOLD, effective_sample_size, sigma_weights
 from ...ops import group_rows, kl_estimate, masked_sum
 from ...rewards import RewardShaping
 from ...rollout.generator import Rollout
@@ -22,6 +22,7 @@ __all__ = [
     "HarmlessnessRollouts",
     "group",
     "log_spaced_value",
+    "negative_sample_weights",
     "reward_shapings",
     "sample_metrics",
     "stack_rollouts",
@@ -87,6 +88,28 @@ def log_spaced_value(start: float, end: float, index: int, total: int) -> float:
 def group(x: torch.Tensor, num_samples_per_prompt: int) -> torch.Tensor:
     """``(B, ...)`` rows grouped prompt by prompt → ``(P, N, ...)`` (:func:`trl_ext.ops.group_rows`)."""
     return group_rows(x, samples_per_prompt=num_samples_per_prompt, what="a RePULSe batch")
+
+
+def negative_sample_weights(
+    args, rollouts: HarmlessnessRollouts, rewards: HarmlessnessRewards, weight_logprobs: torch.Tensor
+) -> torch.Tensor:
+    """``(P, N)`` σ-weights of the negative samples (`trl_ext.losses.weights.sigma_weights`, masked sums — the fix
+    of B1): ``softmax_N(Σ_t log p_θ(s̃_t) + log φ(s̃) − Σ_t log q_old(s̃_t))`` per prompt, or uniform, times the
+    indicator with ``indicator_mask``. The samples are the proposal's, or the policy's own with
+    ``use_base_as_proposal``; ``weight_logprobs``: ``(B, T)`` ``log p_θ`` on them; ``args``: the
+    `HarmlessnessConfig`."""
+    N = args.num_samples_per_prompt
+    if args.use_base_as_proposal:
+        rollout, log_phi = rollouts.policy, rewards.policy_log_phi
+    else:
+        rollout, log_phi = rollouts.proposal, rewards.proposal_log_phi
+    if args.separate_reweighting_beta is not None:
+        log_phi = args.separate_reweighting_beta * rollout.scores.float()
+    return sigma_weights(
+        group(weight_logprobs, N), group(rollout.logprobs, N), group(log_phi, N), group(rollout.response_mask, N),
+        indicator_threshold=ORIGINAL_INDICATOR_THRESHOLD if args.indicator_mask else None,
+        uniform=args.uniform_reweight,
+    )  # fmt: skip
 
 
 def stack_rollouts(rollouts: list[Rollout]) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -1,4 +1,5 @@
-"""A scored rollout ready for optimisation: advantages, returns and the micro-step schedule of the PPO epochs.
+"""A scored rollout ready for optimisation: its rewards, advantages, returns and the micro-step schedule of the PPO
+epochs.
 
 The schedule fixes, for every optimisation micro-step of a rollout, which rows it trains on: for each of the
 ``num_ppo_epochs`` epochs a fresh permutation of the rollout (seeded, so a resumed run reproduces it), cut into
@@ -10,6 +11,7 @@ divided by, see :func:`trl_ext.losses.aggregate`), so that the accumulated micro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -17,12 +19,24 @@ from ...rollout.generator import Rollout
 
 __all__ = [
     "Experience",
+    "PPORewards",
     "minibatch_counts",
     "padded_lengths",
     "ppo_schedule",
     "schedule_position",
     "shared_prefix_group_size",
 ]
+
+
+class PPORewards(NamedTuple):
+    """Result of :meth:`PPOTrainer.compute_rewards`; all ``(B, T)``, zero where the response mask is zero."""
+
+    rewards: torch.Tensor
+    """Per-token rewards ``−kl_coef·kl_t`` plus the (clipped) score at the last token (whitened if asked)."""
+    non_score_rewards: torch.Tensor
+    """The KL part ``−kl_coef·kl_t``."""
+    kl: torch.Tensor
+    """The per-token KL estimate (``kl_estimator``)."""
 
 
 def ppo_schedule(

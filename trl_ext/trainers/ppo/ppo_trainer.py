@@ -19,7 +19,6 @@ import os
 import textwrap
 import time
 from dataclasses import replace
-from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -52,6 +51,7 @@ from ..common.vllm_setup import importance_corrected_advantages
 from .compat import TRL112Attributes, UpdateCadence
 from .experience import (
     Experience,
+    PPORewards,
     minibatch_counts,
     padded_lengths,
     ppo_schedule,
@@ -64,17 +64,6 @@ from .ppo_config import PPOConfig
 __all__ = ["PPOTrainer", "PPORewards"]
 
 logger = logging.getLogger(__name__)
-
-
-class PPORewards(NamedTuple):
-    """Result of :meth:`PPOTrainer.compute_rewards`; all ``(B, T)``, zero where the response mask is zero."""
-
-    rewards: torch.Tensor
-    """Per-token rewards ``−kl_coef·kl_t`` plus the (clipped) score at the last token (whitened if asked)."""
-    non_score_rewards: torch.Tensor
-    """The KL part ``−kl_coef·kl_t``."""
-    kl: torch.Tensor
-    """The per-token KL estimate (``kl_estimator``)."""
 
 
 class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
