@@ -425,22 +425,30 @@ def run_worker(args: argparse.Namespace) -> dict:
 
 # --------------------------------------------------------------------------------------------------------- driver
 def _launch(side: str, python: str, assets: str, updates: int, threads: int, overrides: dict | None = None) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        result_path = f.name
     cmd = [python, os.path.abspath(__file__), "--worker", side, "--assets", assets, "--updates", str(updates)]
-    cmd += ["--threads", str(threads), "--result", result_path, "--overrides", json.dumps(overrides or {})]
+    cmd += ["--threads", str(threads), "--overrides", json.dumps(overrides or {})]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
     if side == "ours":
         env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    return run_json_worker(cmd, env, side)
+
+
+def run_json_worker(cmd: list[str], env: dict, label: str) -> dict:
+    """Run a benchmark worker (``cmd`` plus ``--result <file>``, where it writes its JSON result) and return that
+    result with ``load_before``, the 1-minute load average at its start (> ~0.5: something else used the cores).
+    Shared with bench/vllm_steps.py."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result_path = f.name
+    cmd = [*cmd, "--result", result_path]
     load = os.getloadavg()[0]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
-        raise SystemExit(f"{side} worker failed (exit {proc.returncode}): {' '.join(cmd)}")
+        raise SystemExit(f"{label} worker failed (exit {proc.returncode}): {' '.join(cmd)}")
     with open(result_path) as f:
         result = json.load(f)
     os.unlink(result_path)
-    result["load_before"] = load  # 1-minute load average; > ~0.5 means something else was using the cores
+    result["load_before"] = load
     return result
 
 

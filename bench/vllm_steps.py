@@ -30,7 +30,6 @@ import os
 import resource
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -130,21 +129,11 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _launch_repulse(assets_dir: str, engine: str, updates: int) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        result_path = f.name
+def _launch_repulse(ppo, assets_dir: str, engine: str, updates: int) -> dict:
+    """One RePULSe run in a worker process of this script."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", engine, "--assets", assets_dir]
-    cmd += ["--updates", str(updates), "--result", result_path]
-    load = os.getloadavg()[0]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
-        raise SystemExit(f"RePULSe worker failed (exit {proc.returncode}): {shlex.join(cmd)}")
-    with open(result_path) as f:
-        result = json.load(f)
-    os.unlink(result_path)
-    result["load_before"] = load
-    return result
+    cmd += ["--updates", str(updates)]
+    return ppo.run_json_worker(cmd, {**os.environ, "TOKENIZERS_PARALLELISM": "false"}, "RePULSe")
 
 
 # --------------------------------------------------------------------------------------------------------- driver
@@ -224,7 +213,7 @@ def main() -> None:
                     if trainer == "ppo":
                         run = _ppo_run(ppo, assets_dir, engine, args.updates)
                     else:
-                        run = _launch_repulse(assets_dir, engine, args.updates)
+                        run = _launch_repulse(ppo, assets_dir, engine, args.updates)
                     run.update(trainer=trainer, engine=engine, round=r + 1)
                     runs.append(run)
                     print(
