@@ -116,3 +116,4 @@ def make_parser():
 
 if __name__ == "__main__":
     main(*make_parser().parse_args_and_config(), given=cli.given_options())
+    cli.exit_process()  # after a multi-process job: no interpreter teardown (see its docstring)

@@ -101,3 +101,4 @@ def make_parser():
 
 if __name__ == "__main__":
     main(*make_parser().parse_args_and_config())
+    cli.exit_process()  # after a multi-process job: no interpreter teardown (see its docstring)

@@ -184,18 +184,57 @@ class _RecordingAccelerator(_RecordingState):
 @pytest.mark.parametrize(
     ("kind", "end"), [(_RecordingAccelerator, "end_training"), (_RecordingState, "destroy_process_group")]
 )
-def test_finish_distributed_waits_then_destroys_the_process_group(kind, end, tmp_path):
+def test_finish_distributed_waits_then_destroys_the_process_group(kind, end, tmp_path, monkeypatch):
+    from trl_ext import cli
+
+    monkeypatch.setattr(cli, "_ENDED_DISTRIBUTED_JOB", False)  # restored afterwards: `exit_process` reads it
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         single = kind(1)
         finish_distributed(single)  # one process: nothing to tear down, the group is left alone
-        assert single.calls == [] and torch.distributed.is_initialized()
+        assert single.calls == [] and torch.distributed.is_initialized() and not cli._ENDED_DISTRIBUTED_JOB
         job = kind(2)
         finish_distributed(job)
         assert job.calls == ["wait_for_everyone", end]
-        assert not torch.distributed.is_initialized()
+        assert not torch.distributed.is_initialized() and cli._ENDED_DISTRIBUTED_JOB
         finish_distributed(job)  # a second call (nothing left to destroy) is a no-op
         assert job.calls == ["wait_for_everyone", end]
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+_EXIT_SCRIPT = """
+import atexit
+from trl_ext import cli
+
+class Finalized:
+    def __del__(self):
+        print("teardown ran", flush=True)
+
+kept = Finalized()  # a module global: interpreter teardown finalizes it
+atexit.register(lambda: print("atexit ran"))
+cli.exit_process()  # no multi-process job ended here: it returns
+print("returned")
+if ENDED:
+    cli._ENDED_DISTRIBUTED_JOB = True
+    print("buffered", end="")  # still in stdout's buffer: exit_process must flush it
+    cli.exit_process()
+    print("not reached")
+"""
+
+
+@pytest.mark.parametrize("ended", [False, True])
+def test_exit_process_skips_teardown_only_after_a_multi_process_job(ended):
+    """`cli.exit_process` returns unless `finish_distributed` ended a multi-process job; then it runs the atexit
+    handlers, flushes, and ends with status 0 before interpreter teardown (no finalizer runs)."""
+    import subprocess
+    import sys
+
+    script = f"ENDED = {ended}\n{_EXIT_SCRIPT}"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if ended:
+        assert proc.stdout == "returned\nbufferedatexit ran\n"
+    else:
+        assert proc.stdout == "returned\natexit ran\nteardown ran\n"

@@ -460,23 +460,52 @@ def train_and_save(trainer, training_args) -> None:
     finish_distributed(trainer.accelerator)
 
 
-def finish_distributed(accelerator) -> None:
-    """End a multi-process job cleanly: wait until every process is here, then destroy the process group.
+_ENDED_DISTRIBUTED_JOB = False
+"""Set by :func:`finish_distributed`: this process ended a multi-process job (read by :func:`exit_process`)."""
 
-    Left to interpreter exit, the process group's C++ threads are torn down in no set order while the main process
-    (which hosts the rendezvous store) may already be gone; a process then occasionally aborts after training and
-    saving succeeded ("terminate called without an active exception", seen once in CI with DeepSpeed ZeRO-2 on CPU),
-    and the launcher reports the whole job as failed. Nothing else may run collectives afterwards; the accelerator's
-    ``num_processes`` and ``is_main_process`` keep their values, so the summary line can still be printed.
-    ``accelerator`` is an `accelerate.Accelerator` or a `PartialState` (the evaluation recipes)."""
+
+def finish_distributed(accelerator) -> None:
+    """End a multi-process job: wait until every process is here, then destroy the process group (and close the
+    accelerator's trackers). Nothing may run collectives afterwards; the accelerator's ``num_processes`` and
+    ``is_main_process`` keep their values, so the summary line can still be printed. ``accelerator`` is an
+    `accelerate.Accelerator` or a `PartialState` (the evaluation recipes). A recipe then leaves through
+    :func:`exit_process`."""
     import torch.distributed as dist
 
+    global _ENDED_DISTRIBUTED_JOB
     if accelerator.num_processes > 1 and dist.is_available() and dist.is_initialized():
         accelerator.wait_for_everyone()
         if hasattr(accelerator, "end_training"):  # an Accelerator: also closes its trackers
             accelerator.end_training()
         else:  # a PartialState
             accelerator.destroy_process_group()
+        _ENDED_DISTRIBUTED_JOB = True
+
+
+def exit_process() -> None:
+    """The last call of a recipe's ``__main__``: after a multi-process job (:func:`finish_distributed`), run the
+    ``atexit`` handlers, flush the output and end the process with status 0 without interpreter teardown; otherwise
+    return (a normal exit follows).
+
+    Why: a gloo worker thread of torch.distributed can still be releasing the tensors of a finished collective (the
+    last all-gather of a ZeRO save, say) when the interpreter finalizes; releasing a tensor that Python owns takes the
+    GIL, which during finalization ends the thread with ``pthread_exit``, and the forced unwind through torch's
+    ``ProcessGroupGloo::runLoop`` calls ``std::terminate``: "terminate called without an active exception", SIGABRT,
+    and the launcher fails a job that trained and saved. The abort (about 1 launch in 50 on 2 CPU cores; C++
+    backtrace: ``ProcessGroupGloo::runLoop`` → ``TensorImpl::decref_pyobject`` → ``PyEval_AcquireThread`` →
+    ``pthread_exit``) happens even after the process group was destroyed, since other objects still hold it; skipping
+    finalization leaves nothing for those threads to race."""
+    if not _ENDED_DISTRIBUTED_JOB:
+        return
+    import atexit
+    import logging
+    import sys
+
+    atexit._run_exitfuncs()  # what a normal exit runs first: trackers' and libraries' handlers
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def seed_run(training_args) -> None:
