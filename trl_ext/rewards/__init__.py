@@ -11,7 +11,7 @@
 See docs/rewards.md for runnable examples.
 """
 
-from .lexical import OFFENSIVE_WORDS, LexicalReward, word_token_ids
+from .lexical import HELDOUT_OFFENSIVE_WORDS, OFFENSIVE_WORDS, LexicalReward, word_token_ids
 from .shaping import (
     INDICATOR_REWARD_EPS,
     REWARD_TRANSFORMS,
@@ -24,6 +24,7 @@ from .shaping import (
 from .toxicity import OffensivenessReward, reward_threshold
 
 __all__ = [
+    "HELDOUT_OFFENSIVE_WORDS",
     "INDICATOR_REWARD_EPS",
     "OFFENSIVE_WORDS",
     "REWARD_TRANSFORMS",

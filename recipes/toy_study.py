@@ -1,0 +1,103 @@
+"""The toy study (`make toy-study`): every method of the paper's toy on SmolLM2-135M-Instruct, over seeds, resumable.
+
+    python recipes/toy_study.py --workers 2 --commit-results      # run what is missing, two 1-thread workers
+    python recipes/toy_study.py --report-only                     # tables and figures from results/toy/runs
+    python recipes/toy_study.py --plan threads --workers 1 --threads 2   # the thread-count check, alone
+
+Settings and metrics: `trl_ext.study.toy`; the analysis: `trl_ext.study.toy_report` and results/toy/PLAN.md. Each
+run's summary is written atomically to ``<results-dir>/runs/<label>.json`` (and git-committed with
+``--commit-results``); rerunning skips what is done, and workers side by side split the pending runs through lock
+files.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+for _name, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
+    os.environ.setdefault(_name, _value)
+
+MAIN_ALPHA = "a0.1_b-10"
+SEEDS5, SEEDS3 = [0, 1, 2, 3, 4], [0, 1, 2]
+
+#: The runs, in order of priority: REINFORCE and RePULSe seed by seed first, then the other methods.
+PLANS = {
+    "main": [
+        *[entry for s in SEEDS5 for entry in (("REINFORCE", "default", [s]), ("RePULSe", MAIN_ALPHA, [s]))],
+        *[entry for s in SEEDS3 for entry in (("RePULSe", "a0.03_b-10", [s]), ("RePULSe", "a0.3_b-10", [s]))],
+        ("transform", "*", SEEDS3),
+        ("p-as-proposal", "*", SEEDS3),
+        ("PPO", "*", SEEDS3),
+        ("RePULSe", "a0.1_b-1", SEEDS3),
+        ("RePULSe", "a0.1_b-5", SEEDS3),
+    ],
+    # The demo: one seed of each.
+    "demo": [("REINFORCE", "default", [0]), ("RePULSe", MAIN_ALPHA, [0])],
+    # The thread-count check (run it alone, with --threads 2): two seeds of REINFORCE and RePULSe.
+    "threads": [entry for s in (0, 1) for entry in (("REINFORCE", "default", [s]), ("RePULSe", MAIN_ALPHA, [s]))],
+}
+
+
+@dataclass
+class ToyStudyArguments:
+    results_dir: str = field(default="results/toy", metadata={"help": "Where runs/, the tables and figures go."})
+    plan: str = field(default="main", metadata={"help": "Which runs: " + ", ".join(PLANS) + "."})
+    workers: int = field(default=2, metadata={"help": "Worker processes side by side (one torch thread each)."})
+    threads: int = field(default=1, metadata={"help": "torch threads per run (the thread-count check: 2)."})
+    model: str = field(default="smollm2", metadata={"help": "'smollm2' or 'tiny' (tests)."})
+    updates: int | None = field(default=None, metadata={"help": "Override the updates per run (tests)."})
+    samples_per_update: int | None = field(default=None, metadata={"help": "Override the samples (tests)."})
+    report_only: bool = field(default=False, metadata={"help": "Only write the tables and figures."})
+    commit_results: bool = field(default=False, metadata={"help": "git-commit each run's summary when written."})
+    worker: bool = field(default=False, metadata={"help": "Internal: run as one worker (no report)."})
+
+
+def toy_config(args):
+    from trl_ext.study.toy import ToyConfig
+
+    overrides = {"model": args.model, "threads": args.threads}
+    if args.model == "tiny":  # two blocks: train them all, and a fast, exact-enough evaluation
+        overrides |= {"trainable_layers": 0, "remainder_samples": 16, "kl_samples": 16, "prune_below": 1e-3}
+    if args.updates is not None:
+        step = max(1, args.updates // 2)
+        overrides |= {"updates": args.updates, "eval_at": sorted({step, args.updates})}
+    if args.samples_per_update is not None:
+        overrides["samples_per_update"] = args.samples_per_update
+    return ToyConfig(**overrides)
+
+
+def main(argv=None):
+    from trl_ext import cli
+
+    parser = cli.make_parser((ToyStudyArguments,), __doc__.split("\n\n")[0])
+    (args,) = parser.parse_args_and_config(argv)
+    if args.plan not in PLANS:
+        parser.error(f"--plan must be one of {list(PLANS)}, got {args.plan!r}.")
+    from trl_ext.study.toy import run_toy_queue, toy_runs
+
+    config = toy_config(args)
+    runs = toy_runs(config, PLANS[args.plan], threads=args.threads)
+    command = "python recipes/toy_study.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if not args.report_only:
+        if args.worker or args.workers == 1:
+            run_toy_queue(config, runs, args.results_dir, command=command, commit_results=args.commit_results,
+                          log=lambda m: print(m, flush=True))  # fmt: skip
+        else:
+            env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
+            worker_argv = [sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:]), "--worker", "true"]
+            procs = [subprocess.Popen(worker_argv, env=env) for _ in range(args.workers)]
+            codes = [p.wait() for p in procs]
+            if any(codes):
+                raise SystemExit(f"A worker failed (exit codes {codes}); rerun to resume.")
+    if args.worker:
+        return None
+    from trl_ext.study.toy_report import write_report
+
+    return write_report(args.results_dir, config, runs, main_setting=("RePULSe", MAIN_ALPHA))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
