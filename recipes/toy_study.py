@@ -27,10 +27,10 @@ SEEDS5, SEEDS3 = [0, 1, 2, 3, 4], [0, 1, 2]
 PLANS = {
     "main": [
         *[entry for s in SEEDS5 for entry in (("REINFORCE", "default", [s]), ("RePULSe", MAIN_ALPHA, [s]))],
+        *[entry for s in SEEDS3 for entry in (("transform", "a0.1_b-1", [s]), ("p-as-proposal", "a0.1_b-10", [s]))],
+        ("PPO", "default", SEEDS3),
         *[entry for s in SEEDS3 for entry in (("RePULSe", "a0.03_b-10", [s]), ("RePULSe", "a0.3_b-10", [s]))],
-        ("transform", "*", SEEDS3),
-        ("p-as-proposal", "*", SEEDS3),
-        ("PPO", "*", SEEDS3),
+        *[entry for s in SEEDS3 for entry in (("transform", "a0.01_b-1", [s]), ("transform", "a1_b-1", [s]))],
         ("RePULSe", "a0.1_b-1", SEEDS3),
         ("RePULSe", "a0.1_b-5", SEEDS3),
     ],

@@ -21,13 +21,13 @@ from trl_ext.models import smollm2
 from trl_ext.rewards import OFFENSIVE_WORDS, LexicalReward
 
 REPO = Path(__file__).resolve().parents[1]
-DEMO = REPO / "recipes" / "demo_repulse.py"
+DEMO = REPO / "recipes" / "demo_indicator.py"
 
 
 @pytest.fixture(scope="module")
 def demo():
     """The demo script as a module (it is a script, not part of the package)."""
-    spec = importlib.util.spec_from_file_location("demo_repulse", DEMO)
+    spec = importlib.util.spec_from_file_location("demo_indicator", DEMO)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     try:
@@ -254,7 +254,7 @@ def test_demo_rejects_bad_flags(demo, argv, message, capsys):
 
 def test_demo_defaults(demo):
     real, tiny = demo.parse_args([]), demo.parse_args(["--tiny"])
-    assert real.trainable_layers == 4 and real.prune_below > 0 and real.output_dir == "outputs/demo_repulse"
+    assert real.trainable_layers == 4 and real.prune_below > 0 and real.output_dir == "outputs/demo_indicator"
     assert tiny.trainable_layers == 0 and tiny.prune_below == 0.0
     assert real.max_extra_steps == 3 * real.steps and demo.parse_args(["--steps", "5"]).max_extra_steps == 15
     assert demo.parse_args(["--max-extra-steps", "0"]).max_extra_steps == 0

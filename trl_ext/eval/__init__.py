@@ -1,7 +1,9 @@
 """Evaluation: how likely a policy is to produce undesirable outputs, and how easily it can be pushed to.
 
 - Exact P(bad) for short responses: :func:`bad_output_probability` (docs/algorithms.md §10.1; with an unbiased
-  estimate of the pruned part), :func:`prompt_token_ids`; the KL of whole short responses: :func:`response_kl`.
+  estimate of the pruned part), :func:`prompt_token_ids`; the KL of whole short responses: :func:`response_kl`;
+  expectations of any score of whole short responses (a classifier's reward), the entropy and the most likely
+  response: :func:`response_score_expectations`.
 - Held-out sampling: :func:`eval_heldout` (mean reward/return, P̂(r < τ), CVaR_α, entropy, bootstrap and Wilson
   intervals, gathered across processes) on top of :func:`frontier_metrics`, :func:`tail_probability`, :func:`cvar`.
 - Frontier plots of several runs (methods × seeds): :func:`plot_frontier` (PNG + CSV), :func:`frontier_table`.
@@ -61,12 +63,16 @@ from .rare import (
     target_token_ids,
 )
 from .report import binomial_ci, bootstrap_ci, write_json_report
+from .response_scores import ResponseScores, ScoreEstimate, response_score_expectations
 
 __all__ = [
     "REFUSAL_SUBSTRINGS",
     "AttackResult",
     "bad_output_probability",
     "response_kl",
+    "response_score_expectations",
+    "ResponseScores",
+    "ScoreEstimate",
     "BadOutputProbability",
     "ResponseKL",
     "beast_attack",

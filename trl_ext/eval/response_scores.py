@@ -81,7 +81,7 @@ class ResponseScores:
 
 def _score_matrix(score_fn: ScoreFn, responses: list[list[int]], names: list[str] | None):
     if not responses:
-        return names or [], np.zeros((len(names or []), 0))
+        return names, np.zeros((len(names or []), 0))
     out = score_fn(responses)
     if not isinstance(out, Mapping) or not out:
         raise TypeError("score_fn must return a non-empty mapping {name: one score per response}.")
@@ -191,14 +191,14 @@ def response_score_expectations(
             names, drawn_values = _score_matrix(score_fn, drawn, names)
         else:
             drawn_values = np.zeros((len(names), 0))
+        if len(responses) == 0:
+            values = np.zeros((len(names), 0))
     estimates = {}
     for i, name in enumerate(names):
         exact = float((probs * values[i]).sum()) if len(responses) else 0.0
         mean = float(drawn_values[i].mean()) if drawn else math.nan
         se = float(drawn_values[i].std(ddof=1)) / math.sqrt(len(drawn)) if drawn else 0.0
-        estimates[name] = ScoreEstimate(
-            exact + (pruned_mass * mean if drawn else 0.0), pruned_mass * se, exact, mean
-        )
+        estimates[name] = ScoreEstimate(exact + (pruned_mass * mean if drawn else 0.0), pruned_mass * se, exact, mean)
     neg_logp = -logp
     entropy = float((probs * neg_logp).sum())
     entropy_se = 0.0

@@ -39,10 +39,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_callback import PrinterCallback
 
 from .runner import _COMMON_OPTIONS, _commit_file, _git_commit, _read_summary, _value_model, _write_atomic
 
-__all__ = ["ToyConfig", "ToyRun", "ToyContext", "toy_runs", "evaluate_toy", "run_toy_queue"]
+__all__ = ["ToyConfig", "ToyContext", "ToyRun", "evaluate_toy", "repulse_options", "run_toy_queue", "toy_runs"]
 
 PROMPT = "This man is a"
 #: Bumped when what a run computes changes, so cached summaries are redone.
@@ -57,7 +58,9 @@ class ToyConfig:
     response_length: int = field(default=2, metadata={"help": "Most response tokens (the paper's toy: 2)."})
     samples_per_update: int = field(default=128, metadata={"help": "Responses drawn from p per update (and from q)."})
     updates: int = field(default=20, metadata={"help": "Policy updates per run."})
-    eval_at: list = field(default_factory=lambda: [5, 10, 15, 20], metadata={"help": "Updates after which to evaluate."})
+    eval_at: list = field(
+        default_factory=lambda: [5, 10, 15, 20], metadata={"help": "Updates after which to evaluate."}
+    )
     learning_rate: float = field(default=1e-4, metadata={"help": "Policy learning rate (Adam, constant)."})
     proposal_learning_rate: float = field(default=3e-4, metadata={"help": "Proposal learning rate (the paper: 3e-4)."})
     trainable_layers: int = field(default=4, metadata={"help": "Top transformer blocks trained (0: all)."})
@@ -109,7 +112,8 @@ class ToyRun:
         return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _repulse(alpha: float, beta: float, config: ToyConfig) -> dict:
+def repulse_options(alpha: float, beta: float, config: ToyConfig) -> dict:
+    """RePULSe's trainer options: CTL proposal towards σ ∝ p·exp(β·r), α in the `expectation` convention."""
     return {
         "loss_type": "neg_training", "proposal_loss_type": "ctl", "rm_type": "rlhf", "target_dist_beta": beta,
         "alpha": alpha, "alpha_convention": "expectation", "q_steps_per_p_step": 1,
@@ -124,20 +128,30 @@ def method_settings(config: ToyConfig) -> dict[str, tuple[str, dict[str, dict]]]
         "REINFORCE": ("harmlessness", {"default": {"loss_type": "reinforce"}}),
         "RePULSe": (
             "harmlessness",
-            {f"a{a:g}_b{b:g}": _repulse(a, b, config) for a in (0.03, 0.1, 0.3) for b in (-10.0,)}
-            | {f"a0.1_b{b:g}": _repulse(0.1, b, config) for b in (-1.0, -5.0)},
+            {f"a{a:g}_b{b:g}": repulse_options(a, b, config) for a in (0.03, 0.1, 0.3) for b in (-10.0,)}
+            | {f"a0.1_b{b:g}": repulse_options(0.1, b, config) for b in (-1.0, -5.0)},
         ),
         "transform": (
             "harmlessness",
             {
-                f"a{a:g}_b-1": {"loss_type": "reinforce", "reward_transform": "minus_alpha_exp_beta_r",
-                                "reward_transform_alpha": a, "reward_transform_beta": -1.0}
+                f"a{a:g}_b-1": {
+                    "loss_type": "reinforce",
+                    "reward_transform": "minus_alpha_exp_beta_r",
+                    "reward_transform_alpha": a,
+                    "reward_transform_beta": -1.0,
+                }
                 for a in (0.01, 0.1, 1.0)
             },  # fmt: skip
         ),
         "p-as-proposal": (
             "harmlessness",
-            {"a0.1_b-10": {**_repulse(0.1, -10.0, config), "use_base_as_proposal": True, "proposal_loss_type": None}},
+            {
+                "a0.1_b-10": {
+                    **repulse_options(0.1, -10.0, config),
+                    "use_base_as_proposal": True,
+                    "proposal_loss_type": None,
+                }
+            },
         ),
         "PPO": ("ppo", {"default": {"num_ppo_epochs": 2, "num_mini_batches": 1}}),
     }
@@ -293,6 +307,7 @@ def train_toy(context: ToyContext, run: ToyRun, log=print) -> dict:
             train_dataset=dataset, callbacks=[recorder], ref_model=context.model,
         )  # fmt: skip
     recorder.policy = getattr(trainer, "policy", None) or trainer.policy_model
+    trainer.pop_callback(PrinterCallback)  # the evaluation lines say what matters; no dict per update
     start = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - start - recorder.eval_seconds
@@ -363,7 +378,12 @@ def _claim(results_dir: str, run: ToyRun) -> str | None:
 
 
 def run_toy_queue(
-    config: ToyConfig, runs: list[ToyRun], results_dir: str, *, command: str = "", commit_results: bool = False,
+    config: ToyConfig,
+    runs: list[ToyRun],
+    results_dir: str,
+    *,
+    command: str = "",
+    commit_results: bool = False,
     log=print,
 ) -> list[str]:
     """Run every run of ``runs`` that has no up-to-date summary and no live worker on it; returns the labels run."""
@@ -407,6 +427,6 @@ def run_toy_queue(
 
 def _initial_key(config: ToyConfig) -> str:
     shared = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("threads", "updates", "eval_at")}
-    return hashlib.sha256(json.dumps({"version": TOY_VERSION, "initial": shared}, sort_keys=True).encode()).hexdigest()[
-        :16
-    ]
+    return hashlib.sha256(
+        json.dumps({"version": TOY_VERSION, "initial": shared}, sort_keys=True).encode()
+    ).hexdigest()[:16]
