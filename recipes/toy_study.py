@@ -33,6 +33,7 @@ PLANS = {
         *[entry for s in SEEDS3 for entry in (("transform", "a0.01_b-1", [s]), ("transform", "a1_b-1", [s]))],
         ("RePULSe", "a0.1_b-1", SEEDS3),
         ("RePULSe", "a0.1_b-5", SEEDS3),
+        ("RePULSe", "a0.1_b-10_qlr1e-4", SEEDS3),
     ],
     # The demo: one seed of each.
     "demo": [("REINFORCE", "default", [0]), ("RePULSe", MAIN_ALPHA, [0])],

@@ -129,7 +129,9 @@ def method_settings(config: ToyConfig) -> dict[str, tuple[str, dict[str, dict]]]
         "RePULSe": (
             "harmlessness",
             {f"a{a:g}_b{b:g}": repulse_options(a, b, config) for a in (0.03, 0.1, 0.3) for b in (-10.0,)}
-            | {f"a0.1_b{b:g}": repulse_options(0.1, b, config) for b in (-1.0, -5.0)},
+            | {f"a0.1_b{b:g}": repulse_options(0.1, b, config) for b in (-1.0, -5.0)}
+            # q's diversity: a slower proposal (q's learning rate 1e-4 instead of 3e-4)
+            | {"a0.1_b-10_qlr1e-4": {**repulse_options(0.1, -10.0, config), "proposal_learning_rate": 1e-4}},
         ),
         "transform": (
             "harmlessness",
