@@ -281,3 +281,17 @@ def test_queue_skips_done_runs(tmp_path):
     assert first == ["initial", "REINFORCE__default__seed0"]
     assert run_toy_queue(config, runs, str(tmp_path), log=lambda m: None) == []
     assert not os.listdir(tmp_path / "locks")
+
+
+def test_thread_check_compares_thread_counts():
+    initial = {"evals": [_point(0, 0.0, -0.2, 1e-2)]}
+    runs = []
+    for threads, shift in ((1, 0.0), (2, 0.05)):
+        for method, setting, p in (("REINFORCE", "default", 1e-3), ("RePULSe", "a", 1e-4)):
+            s = _summary(method, setting, 0, [_point(5, 1.0, -0.1, p * 10**shift)])
+            s["run"]["threads"] = threads
+            runs.append(s)
+    lines = toy_report.thread_check(initial, runs, [1.0], ("RePULSe", "a"))
+    rows = [line for line in lines if line.startswith("| RePULSe")]
+    assert len(rows) == 2 and all(row.endswith("| -1.000 |") for row in rows)  # the gap holds at both counts
+    assert toy_report.thread_check(initial, runs[:2], [1.0], ("RePULSe", "a")) == []  # one thread count only

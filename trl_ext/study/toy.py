@@ -179,7 +179,8 @@ def toy_runs(config: ToyConfig, plan: list[tuple[str, str, list[int]]], threads:
 
 # ------------------------------------------------------------------------------------------------ context
 class ToyContext:
-    """The initial policy, tokenizer, reward, prompt ids, bad-token sets and the initial model's evaluation."""
+    """What every run shares: the initial policy and tokenizer, the classifier reward, the prompt ids and the two
+    bad-token sets (the training word list's and the held-out one's)."""
 
     def __init__(self, config: ToyConfig):
         from ..eval import prompt_token_ids

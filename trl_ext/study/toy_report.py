@@ -24,7 +24,16 @@ from ..eval.demo_metrics import value_at_kl
 from ..eval.metrics import t_interval
 from .runner import _write_atomic
 
-__all__ = ["collapsed", "load_runs", "matched_levels", "matched_table", "mechanism", "value_at", "write_report"]
+__all__ = [
+    "collapsed",
+    "load_runs",
+    "thread_check",
+    "matched_levels",
+    "matched_table",
+    "mechanism",
+    "value_at",
+    "write_report",
+]
 
 #: A point is marked collapsed when one response holds at least this much probability.
 COLLAPSE_TOP_PROBABILITY = 0.5
@@ -296,9 +305,42 @@ def plot_mechanism(mech: dict, path: str) -> None:
     plt.close(fig)
 
 
+def thread_check(initial, everything: list[dict], levels: list[float], main_setting) -> list[str]:
+    """Markdown lines comparing the runs made with another torch thread count to the 1-thread runs of the same
+    method, setting and seed: the final evaluation, and RePULSe − REINFORCE in log10 P(bad) at the KL ``levels``."""
+
+    def threads(s):
+        return s["run"].get("threads") or 1
+
+    by = {(s["run"]["method"], s["run"]["setting"], s["run"]["seed"], threads(s)): s for s in everything}
+    others = sorted({threads(s) for s in everything} - {1})
+    if not others:
+        return []
+    lines = ["## Thread-count check", "", "| run | threads | final log10 P(bad) | final KL(y) | "
+             + " | ".join(f"RePULSe − REINFORCE at KL {v:.3g}" for v in levels) + " |",
+             "|---|---|---|---|" + "---|" * len(levels)]  # fmt: skip
+    for (method, setting, seed, n), s in sorted(by.items()):
+        if n == 1 and not any((method, setting, seed, t) in by for t in others):
+            continue
+        last = s["evals"][-1]
+        cells = []
+        ref = by.get(("REINFORCE", "default", seed, n))
+        if (method, setting) == main_setting and ref is not None:
+            for level in levels:
+                a = value_at(trajectory(initial, s), "kl", level, "p_bad")
+                b = value_at(trajectory(initial, ref), "kl", level, "p_bad")
+                cells.append("not reached" if a is None or b is None else f"{a - b:+.3f}")
+        else:
+            cells = [""] * len(levels)
+        lines.append(f"| {method}/{setting}/seed{seed} | {n} | {math.log10(max(last['p_bad'], 1e-12)):.3f} | "
+                     f"{last['kl']:.3f} | " + " | ".join(cells) + " |")  # fmt: skip
+    return [*lines, ""]
+
+
 def write_report(results_dir: str, config, runs, main_setting=("RePULSe", "a0.1_b-10"), log=print) -> dict | None:
     """Tables, mechanism and figures of the runs done so far; ``None`` when nothing is there yet."""
     initial, summaries = load_runs(results_dir, runs)
+    _, everything = load_runs(results_dir)
     summaries = [s for s in summaries if (s["run"].get("threads") or 1) == 1]
     if initial is None or not summaries:
         log(f"Nothing to report in {results_dir} yet.")
@@ -334,6 +376,7 @@ def write_report(results_dir: str, config, runs, main_setting=("RePULSe", "a0.1_
     _write_atomic(os.path.join(results_dir, "summary.json"), report)
     with open(os.path.join(results_dir, "table.md"), "w", encoding="utf-8") as f:
         f.write(_markdown(initial, tables, levels, mech))
+        f.write("\n".join(["", *thread_check(initial, everything, levels["kl"], tuple(main_setting))]))
     for axis in ("kl", "reward"):
         for metric in ("p_bad", "p_bad_heldout"):
             plot_frontiers(initial, summaries, os.path.join(results_dir, f"{metric}_vs_{axis}.png"), axis, metric)
