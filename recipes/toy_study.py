@@ -29,11 +29,20 @@ PLANS = {
         *[entry for s in SEEDS5 for entry in (("REINFORCE", "default", [s]), ("RePULSe", MAIN_ALPHA, [s]))],
         *[entry for s in SEEDS3 for entry in (("transform", "a0.1_b-1", [s]), ("p-as-proposal", "a0.1_b-10", [s]))],
         ("PPO", "default", SEEDS3),
-        *[entry for s in SEEDS3 for entry in (("RePULSe", "a0.03_b-10", [s]), ("RePULSe", "a0.3_b-10", [s]))],
-        *[entry for s in SEEDS3 for entry in (("transform", "a0.01_b-1", [s]), ("transform", "a1_b-1", [s]))],
-        ("RePULSe", "a0.1_b-1", SEEDS3),
+        # then, seed by seed: q's diversity (beta closer to 0, a slower q), the alpha sweeps
+        *[
+            (method, setting, [s])
+            for s in SEEDS3
+            for method, setting in (
+                ("RePULSe", "a0.1_b-1"),
+                ("RePULSe", "a0.1_b-10_qlr1e-4"),
+                ("RePULSe", "a0.03_b-10"),
+                ("RePULSe", "a0.3_b-10"),
+                ("transform", "a0.01_b-1"),
+                ("transform", "a1_b-1"),
+            )
+        ],
         ("RePULSe", "a0.1_b-5", SEEDS3),
-        ("RePULSe", "a0.1_b-10_qlr1e-4", SEEDS3),
     ],
     # The demo: one seed of each.
     "demo": [("REINFORCE", "default", [0]), ("RePULSe", MAIN_ALPHA, [0])],
