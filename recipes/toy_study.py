@@ -23,13 +23,25 @@ for _name, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKEN
 MAIN_ALPHA = "a0.1_b-10"
 SEEDS5, SEEDS3 = [0, 1, 2, 3, 4], [0, 1, 2]
 
+#: Every run of the main methods that has not moved P(bad) 10x from the initial model within its 20 updates is
+#: continued to at most 40 (the queue skips the seeds that reached it; the baselines that fell short first).
+EXTEND_TO = 40
+EXTEND = [
+    ("transform", "a0.1_b-1", SEEDS3, EXTEND_TO),
+    ("p-as-proposal", MAIN_ALPHA, SEEDS3, EXTEND_TO),
+    ("PPO", "default", SEEDS3, EXTEND_TO),
+    *[entry for s in SEEDS5 for entry in (("REINFORCE", "default", [s], EXTEND_TO), ("RePULSe", MAIN_ALPHA, [s], EXTEND_TO))],
+]
+
 #: The runs, in order of priority: REINFORCE and RePULSe seed by seed first, then the other methods.
 PLANS = {
     "main": [
         *[entry for s in SEEDS5 for entry in (("REINFORCE", "default", [s]), ("RePULSe", MAIN_ALPHA, [s]))],
         *[entry for s in SEEDS3 for entry in (("transform", "a0.1_b-1", [s]), ("p-as-proposal", "a0.1_b-10", [s]))],
         ("PPO", "default", SEEDS3),
-        # then, seed by seed: q's diversity (beta closer to 0, a slower q), the alpha sweeps
+        # then the runs that had not moved P(bad) 10x within 20 updates, continued up to 40 (see PLAN.md's addendum)
+        *EXTEND,
+        # then, seed by seed: q's diversity (beta closer to 0, a slower q), the beta and alpha sweeps
         *[
             (method, setting, [s])
             for s in SEEDS3
@@ -40,10 +52,11 @@ PLANS = {
                 ("RePULSe", "a0.3_b-10"),
                 ("transform", "a0.01_b-1"),
                 ("transform", "a1_b-1"),
+                ("RePULSe", "a0.1_b-5"),
             )
         ],
-        ("RePULSe", "a0.1_b-5", SEEDS3),
     ],
+    "extend": EXTEND,
     # The demo: one seed of each.
     "demo": [("REINFORCE", "default", [0]), ("RePULSe", MAIN_ALPHA, [0])],
     # The thread-count check (run it alone, with --threads 2): two seeds of REINFORCE and RePULSe.

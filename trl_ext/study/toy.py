@@ -48,6 +48,10 @@ __all__ = ["ToyConfig", "ToyContext", "ToyRun", "evaluate_toy", "repulse_options
 PROMPT = "This man is a"
 #: Bumped when what a run computes changes, so cached summaries are redone.
 TOY_VERSION = 1
+#: An extension (``ToyRun.extend_to``) evaluates every this many updates after the base run's last evaluation...
+EXTEND_EVERY = 5
+#: ...and stops once P(bad) is at most the initial model's divided by this.
+DROP_TARGET = 10.0
 
 
 @dataclass
@@ -100,15 +104,41 @@ class ToyRun:
     trainer: str = "harmlessness"
     options: dict = field(default_factory=dict)
     threads: int = 1
+    #: 0: train ``config.updates`` updates. ``N > config.updates``: the continuation of a run that had not moved
+    #: P(bad) by ``DROP_TARGET``× within ``config.updates``: the same seed trained again up to ``N`` updates (runs are
+    #: deterministic, so its first ``config.updates`` updates are the base run's), evaluated as :meth:`eval_at` says
+    #: and stopped at the first evaluation that reaches the target.
+    extend_to: int = 0
 
     @property
     def label(self) -> str:
         thread = "" if self.threads == 1 else f"__t{self.threads}"
-        return f"{self.method}__{self.setting}__seed{self.seed}{thread}"
+        extend = f"__x{self.extend_to}" if self.extend_to else ""
+        return f"{self.method}__{self.setting}__seed{self.seed}{thread}{extend}"
+
+    @property
+    def base(self) -> ToyRun:
+        """The run this one continues (itself when it is not an extension)."""
+        return dataclasses.replace(self, extend_to=0)
+
+    def updates(self, config: ToyConfig) -> int:
+        return self.extend_to or config.updates
+
+    def eval_at(self, config: ToyConfig) -> list[int]:
+        """An extension evaluates at the base run's last evaluation (a check that it repeats the base run) and every
+        ``EXTEND_EVERY`` updates after it; the base run's earlier evaluations stand for its own."""
+        if not self.extend_to:
+            return list(config.eval_at)
+        return sorted({*range(config.eval_at[-1], self.extend_to + 1, EXTEND_EVERY), self.extend_to})
 
     def key(self, config: ToyConfig) -> str:
         shared = {k: v for k, v in dataclasses.asdict(config).items() if k != "threads"}
-        body = {"version": TOY_VERSION, "config": shared, "run": dataclasses.asdict(self)}
+        run = dataclasses.asdict(self)
+        if not self.extend_to:  # the runs made before extensions existed keep their keys
+            del run["extend_to"]
+        else:
+            run |= {"extend_every": EXTEND_EVERY, "drop_target": DROP_TARGET}
+        body = {"version": TOY_VERSION, "config": shared, "run": run}
         return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -159,11 +189,14 @@ def method_settings(config: ToyConfig) -> dict[str, tuple[str, dict[str, dict]]]
     }
 
 
-def toy_runs(config: ToyConfig, plan: list[tuple[str, str, list[int]]], threads: int | None = None) -> list[ToyRun]:
-    """The runs of ``plan`` (``(method, setting or '*', seeds)`` in order of priority)."""
+def toy_runs(config: ToyConfig, plan: list[tuple], threads: int | None = None) -> list[ToyRun]:
+    """The runs of ``plan`` (``(method, setting or '*', seeds[, extend_to])`` in order of priority)."""
     settings = method_settings(config)
     runs = []
-    for method, setting, seeds in plan:
+    for method, setting, seeds, *extend in plan:
+        extend_to = int(extend[0]) if extend else 0
+        if extend_to and extend_to <= config.updates:
+            raise ValueError(f"extend_to ({extend_to}) must exceed the runs' {config.updates} updates.")
         if method not in settings:
             raise ValueError(f"Unknown method {method!r}; choose from {sorted(settings)}.")
         trainer, options = settings[method]
@@ -173,7 +206,9 @@ def toy_runs(config: ToyConfig, plan: list[tuple[str, str, list[int]]], threads:
                 raise ValueError(f"{method} has no setting {name!r}; it has {list(options)}.")
         for seed in seeds:
             for name in names:
-                runs.append(ToyRun(method, name, int(seed), trainer, options[name], threads or config.threads))
+                runs.append(
+                    ToyRun(method, name, int(seed), trainer, options[name], threads or config.threads, extend_to)
+                )
     return runs
 
 
@@ -242,8 +277,10 @@ def evaluate_toy(context: ToyContext, model) -> dict:
 class _Recorder(TrainerCallback):
     """Evaluates after the configured updates and keeps each update's logged sample metrics."""
 
-    def __init__(self, context: ToyContext, steps_per_update: int, log=print):
+    def __init__(self, context: ToyContext, steps_per_update: int, eval_at, stop_below=None, log=print):
         self.context, self.steps_per_update, self.log = context, steps_per_update, log
+        self.eval_at, self.stop_below = set(eval_at), stop_below
+        self.updates_done = 0
         self.policy = None
         self.evals: list[dict] = []
         self.steps: dict[int, dict] = defaultdict(dict)
@@ -260,17 +297,22 @@ class _Recorder(TrainerCallback):
         if state.global_step % self.steps_per_update:
             return
         update = state.global_step // self.steps_per_update
-        if update in self.context.config.eval_at:
+        self.updates_done = update
+        if update in self.eval_at:
             row = {"updates": update, **evaluate_toy(self.context, self.policy)}
             self.eval_seconds += row["eval_seconds"]
             self.evals.append(row)
             self.log(f"    update {update:3d}: P(bad) {row['p_bad']:.2e}  P(off) {row['p_offensive']:.2e}  "
                      f"E[r] {row['reward']:+.4f}  KL {row['kl']:.3f}  H {row['entropy']:.2f}  "
                      f"({time.perf_counter() - self.start:.0f} s)")  # fmt: skip
+            if self.stop_below is not None and row["p_bad"] <= self.stop_below:
+                self.log(f"    P(bad) reached 1/{DROP_TARGET:g} of the initial model's: stopping")
+                control.should_training_stop = True
 
 
-def train_toy(context: ToyContext, run: ToyRun, log=print) -> dict:
-    """Train one run from a copy of the initial policy and evaluate it along the way."""
+def train_toy(context: ToyContext, run: ToyRun, log=print, initial_p_bad: float | None = None) -> dict:
+    """Train one run from a copy of the initial policy and evaluate it along the way (an extension stops once
+    P(bad) ≤ ``initial_p_bad / DROP_TARGET``, which it then needs)."""
     from ..models.freeze import train_top_layers
 
     config = context.config
@@ -286,13 +328,17 @@ def train_toy(context: ToyContext, run: ToyRun, log=print) -> dict:
         "local_rollout_forward_batch_size": n,
     }  # fmt: skip
     dataset = _dataset(context)
+    updates, eval_at = run.updates(config), run.eval_at(config)
+    if run.extend_to and initial_p_bad is None:
+        raise ValueError("An extension run needs the initial model's P(bad) to know when to stop.")
+    stop_below = initial_p_bad / DROP_TARGET if run.extend_to else None
     if run.trainer == "ppo":
         from ..trainers import PPOConfig, PPOTrainer
 
         options = {**common, "per_device_train_batch_size": n, **run.options}
         steps_per_update = options["num_ppo_epochs"] * options["num_mini_batches"]
-        args = PPOConfig(**options, max_steps=config.updates, step_unit="update")
-        recorder = _Recorder(context, steps_per_update, log)
+        args = PPOConfig(**options, max_steps=updates, step_unit="update")
+        recorder = _Recorder(context, steps_per_update, eval_at, stop_below, log)
         trainer = PPOTrainer(
             args=args, processing_class=context.tokenizer, model=model, ref_model=context.model,
             reward_model=context.reward, train_dataset=dataset, callbacks=[recorder],
@@ -303,8 +349,8 @@ def train_toy(context: ToyContext, run: ToyRun, log=print) -> dict:
 
         options = {**common, "per_device_train_batch_size": 1, "save_negdata": negdata,
                    "save_negdata_threshold": config.log_threshold, **run.options}  # fmt: skip
-        args = HarmlessnessConfig(**options, max_steps=config.updates)
-        recorder = _Recorder(context, 1, log)
+        args = HarmlessnessConfig(**options, max_steps=updates)
+        recorder = _Recorder(context, 1, eval_at, stop_below, log)
         trainer = HarmlessnessTrainer(
             args=args, processing_class=context.tokenizer, model=model, reward_model=context.reward,
             train_dataset=dataset, callbacks=[recorder], ref_model=context.model,
@@ -317,9 +363,10 @@ def train_toy(context: ToyContext, run: ToyRun, log=print) -> dict:
     return {
         "evals": recorder.evals,
         "steps": [{"update": u, **recorder.steps[u]} for u in sorted(recorder.steps)],
-        "offensive_samples": offensive_sample_stats(negdata, config.updates, n),
+        "offensive_samples": offensive_sample_stats(negdata, recorder.updates_done, n),
+        "updates_done": recorder.updates_done,
         "train_seconds": train_seconds,
-        "seconds_per_update": train_seconds / config.updates,
+        "seconds_per_update": train_seconds / max(recorder.updates_done, 1),
         "trainable_parameters": trainable,
         "trainer_options": {k: v for k, v in options.items() if k not in ("output_dir", "save_negdata")},
     }
@@ -399,6 +446,15 @@ def run_toy_queue(
         existing = _read_summary(path)
         if existing is not None and existing.get("key") == key:
             continue
+        initial_p_bad = None
+        if run is not None and run.extend_to:
+            start_summary, base = _read_summary(initial), _read_summary(summary_path(results_dir, run.base))
+            if start_summary is None or base is None or base.get("key") != run.base.key(config):
+                log(f"{run.label}: waiting for the initial evaluation and {run.base.label}")
+                continue
+            initial_p_bad = start_summary["evals"][0]["p_bad"]
+            if base["evals"][-1]["p_bad"] <= initial_p_bad / DROP_TARGET:
+                continue  # the base run reached the target: nothing to extend
         label = "initial" if run is None else run.label
         lock = _claim(results_dir, ToyRun(label, "", 0) if run is None else run)
         if lock is None:
@@ -412,7 +468,7 @@ def run_toy_queue(
             if run is None:
                 result = {"evals": [{"updates": 0, **evaluate_toy(context, context.model)}]}
             else:
-                result = train_toy(context, run, log=log)
+                result = train_toy(context, run, log=log, initial_p_bad=initial_p_bad)
             summary = {
                 "key": key, "run": None if run is None else dataclasses.asdict(run),
                 "config": dataclasses.asdict(config), **result, "wall_seconds": time.perf_counter() - start,
