@@ -30,7 +30,11 @@ EXTEND = [
     ("transform", "a0.1_b-1", SEEDS3, EXTEND_TO),
     ("p-as-proposal", MAIN_ALPHA, SEEDS3, EXTEND_TO),
     ("PPO", "default", SEEDS3, EXTEND_TO),
-    *[entry for s in SEEDS5 for entry in (("REINFORCE", "default", [s], EXTEND_TO), ("RePULSe", MAIN_ALPHA, [s], EXTEND_TO))],
+    *[
+        entry
+        for s in SEEDS5
+        for entry in (("REINFORCE", "default", [s], EXTEND_TO), ("RePULSe", MAIN_ALPHA, [s], EXTEND_TO))
+    ],
 ]
 
 #: The runs, in order of priority: REINFORCE and RePULSe seed by seed first, then the other methods.

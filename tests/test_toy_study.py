@@ -186,8 +186,12 @@ def test_plan_and_keys():
     runs = toy_runs(config, toy_study.PLANS["main"])
     labels = [r.label for r in runs]
     assert len(labels) == len(set(labels))
-    count = {m: sum(r.method == m for r in runs) for m in ("REINFORCE", "RePULSe", "transform", "PPO")}
+    count = {m: sum(r.method == m and not r.extend_to for r in runs) for m in ("REINFORCE", "RePULSe", "transform")}
     assert count["REINFORCE"] == 5 and count["RePULSe"] >= 5 + 3 * 2 and count["transform"] == 9
+    # every run of the main settings may be continued to 40 updates, after the base runs it continues
+    extended = [r for r in runs if r.extend_to]
+    assert {r.extend_to for r in extended} == {40} and len(extended) == 5 + 5 + 3 + 3 + 3
+    assert all(labels.index(r.base.label) < labels.index(r.label) for r in extended)
     assert labels[:2] == ["REINFORCE__default__seed0", "RePULSe__a0.1_b-10__seed0"]
     repulse = runs[1].options
     assert repulse["rm_type"] == "rlhf" and repulse["target_dist_beta"] == -10.0 and repulse["alpha"] == 0.1
@@ -295,3 +299,52 @@ def test_thread_check_compares_thread_counts():
     rows = [line for line in lines if line.startswith("| RePULSe")]
     assert len(rows) == 2 and all(row.endswith("| -1.000 |") for row in rows)  # the gap holds at both counts
     assert toy_report.thread_check(initial, runs[:2], [1.0], ("RePULSe", "a")) == []  # one thread count only
+
+
+def test_extension_continues_a_run_repeats_it_and_stops_at_the_target(tmp_path):
+    config = ToyConfig(model="tiny", updates=1, eval_at=[1], samples_per_update=4, trainable_layers=0,
+                       remainder_samples=4, kl_samples=4, prune_below=1e-2)  # fmt: skip
+    base = ToyRun("REINFORCE", "default", 0, options={"loss_type": "reinforce", "learning_rate": 1e-2})
+    ext = ToyRun(**{**base.__dict__, "extend_to": 7})
+    assert ext.label == "REINFORCE__default__seed0__x7" and ext.base == base
+    assert ext.eval_at(config) == [1, 6, 7] and ext.updates(config) == 7 and base.eval_at(config) == [1]
+    assert ext.key(config) != base.key(config)
+    with pytest.raises(ValueError, match="extend_to"):
+        toy_runs(config, [("REINFORCE", "default", [0], 1)])
+    # without its base run the extension waits
+    assert run_toy_queue(config, [ext], str(tmp_path), log=lambda m: None) == ["initial"]
+    done = run_toy_queue(config, [base, ext], str(tmp_path), log=lambda m: None)
+    assert done == ["REINFORCE__default__seed0", "REINFORCE__default__seed0__x7"]
+    read = lambda r: json.loads((tmp_path / "runs" / f"{r.label}.json").read_text())  # noqa: E731
+    b, e = read(base), read(ext)
+    assert e["evals"][0]["updates"] == 1 and e["evals"][0]["p_bad"] == pytest.approx(b["evals"][0]["p_bad"], rel=1e-9)
+    start = json.loads((tmp_path / "initial.json").read_text())["evals"][0]["p_bad"]
+    hit = [row["p_bad"] <= start / 10 for row in e["evals"]]
+    # it trained to 7 updates unless an evaluation reached 10x, where it stopped
+    assert e["updates_done"] == (e["evals"][hit.index(True)]["updates"] if any(hit) else 7)
+    joined = toy_report.join_extensions([b, e])
+    assert len(joined) == 1 and [p["updates"] for p in joined[0]["evals"]] == [p["updates"] for p in e["evals"]]
+    assert joined[0]["repeat_check"] == pytest.approx(0.0, abs=1e-9)
+    # a base run that already reached the target is not extended
+    summary = read(base)
+    summary["evals"][-1]["p_bad"] = start / 20
+    (tmp_path / "runs" / f"{base.label}.json").write_text(json.dumps(summary))
+    (tmp_path / "runs" / f"{ext.label}.json").unlink()
+    assert run_toy_queue(config, [base, ext], str(tmp_path), log=lambda m: None) == []
+
+
+def test_join_extensions_and_ten_fold():
+    initial = {"evals": [_point(0, 0.0, -0.2, 1e-2)]}
+    base = _summary("REINFORCE", "default", 0, [_point(5, 1.0, -0.1, 5e-3), _point(10, 2.0, -0.05, 2e-3)])
+    ext = _summary("REINFORCE", "default", 0, [_point(10, 2.0, -0.05, 2.02e-3), _point(15, 3.0, -0.04, 8e-4)],
+                   offensive_samples={"policy": []})  # fmt: skip
+    ext["run"]["extend_to"] = 20
+    other = _summary("REINFORCE", "default", 1, [_point(5, 1.0, -0.1, 9e-4)])
+    joined = toy_report.join_extensions([base, ext, other])
+    assert [[p["updates"] for p in s["evals"]] for s in joined] == [[5, 10, 15], [5]]
+    assert joined[0]["repeat_check"] == pytest.approx(0.01) and joined[0]["extended_to"] == 20
+    reach = toy_report.ten_fold(initial, joined)["REINFORCE/default"]
+    assert [(r["seed"], r["update"], r["updates"]) for r in reach] == [(0, 15, 15), (1, 5, 5)]
+    assert reach[0]["final_drop"] == pytest.approx(12.5)
+    # an orphan extension is dropped
+    assert toy_report.join_extensions([ext]) == []

@@ -26,7 +26,9 @@ from .runner import _write_atomic
 
 __all__ = [
     "collapsed",
+    "join_extensions",
     "load_runs",
+    "ten_fold",
     "thread_check",
     "matched_levels",
     "matched_table",
@@ -62,6 +64,55 @@ def load_runs(results_dir: str, runs=None) -> tuple[dict | None, list[dict]]:
         if summary is not None and summary.get("run"):
             out.append(summary)
     return initial, out
+
+
+def join_extensions(summaries: list[dict]) -> list[dict]:
+    """Each base run joined with its extension (``run.extend_to``, see :class:`~trl_ext.study.toy.ToyRun`): the base
+    run's evaluations, then the extension's later ones; its per-update logs, offensive samples and length come from
+    the extension. ``repeat_check`` records how far the extension's first evaluation (the base run's last update) is
+    from the base run's, relative, over P(bad) and KL(y): it is 0 when the run is deterministic. An extension whose
+    base is missing is dropped."""
+
+    def ident(run):
+        return (run["method"], run["setting"], run["seed"], run.get("threads") or 1)
+
+    extensions = {ident(s["run"]): s for s in summaries if s["run"].get("extend_to")}
+    out = []
+    for s in summaries:
+        if s["run"].get("extend_to"):
+            continue
+        ext = extensions.get(ident(s["run"]))
+        if ext is None:
+            out.append(s)
+            continue
+        last = s["evals"][-1]["updates"]
+        first = next((e for e in ext["evals"] if e["updates"] == last), None)
+        check = None
+        if first is not None:
+            check = max(
+                abs(first[k] - s["evals"][-1][k]) / max(abs(s["evals"][-1][k]), 1e-12) for k in ("p_bad", "kl")
+            )
+        joined = {**s, "evals": [*s["evals"], *(e for e in ext["evals"] if e["updates"] > last)],
+                  "steps": ext["steps"], "offensive_samples": ext["offensive_samples"],
+                  "updates_done": ext.get("updates_done"), "extended_to": ext["run"]["extend_to"],
+                  "repeat_check": check}  # fmt: skip
+        out.append(joined)
+    return out
+
+
+def ten_fold(initial: dict, summaries: list[dict], factor: float = 10.0) -> dict[str, list[dict]]:
+    """Per method setting and seed: the first evaluated update at which P(bad) was at most the initial model's
+    divided by ``factor`` (``None``: never within the run), the updates the run trained, and its final P(bad) drop."""
+    start = initial["evals"][0]["p_bad"]
+    out = {}
+    for name, runs in _group(summaries).items():
+        rows = []
+        for s in sorted(runs, key=lambda s: s["run"]["seed"]):
+            hit = next((e["updates"] for e in s["evals"] if e["p_bad"] <= start / factor), None)
+            rows.append({"seed": s["run"]["seed"], "update": hit, "updates": s["evals"][-1]["updates"],
+                         "final_drop": start / max(s["evals"][-1]["p_bad"], 1e-300)})  # fmt: skip
+        out[name] = rows
+    return out
 
 
 def trajectory(initial: dict, summary: dict) -> list[dict]:
@@ -238,6 +289,27 @@ def _markdown(initial: dict, tables: dict, levels: dict, mech: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _ten_fold_lines(reach: dict, summaries: list[dict]) -> list[str]:
+    lines = ["## P(bad) moved 10× from the initial model", "",
+             "Runs that had not moved P(bad) 10× within 20 updates were continued (same seed; at most 40 updates, "
+             "stopped at the first evaluation at 10×; PLAN.md's addendum). Cells: the update of the first evaluation "
+             "at ≥ 10× (—: not within the run) / updates trained / final drop.", "",
+             "| method | seeds at 10× | per seed |", "|---|---|---|"]  # fmt: skip
+    for name, rows in reach.items():
+        hits = sum(r["update"] is not None for r in rows)
+        cells = "; ".join(f"s{r['seed']}: {r['update'] or '—'}/{r['updates']}/{r['final_drop']:.1f}×" for r in rows)
+        lines.append(f"| {name} | {hits}/{len(rows)} | {cells} |")
+    checks = [s["repeat_check"] for s in summaries if s.get("repeat_check") is not None]
+    if checks:
+        lines += [
+            "",
+            "Each continuation repeated its base run: at the base run's last update, P(bad) and KL(y) differ by at "
+            f"most {max(checks):.1e} (relative) over {len(checks)} continued runs.",
+            "",
+        ]
+    return lines
+
+
 def plot_frontiers(initial, summaries, path: str, axis: str, metric: str = "p_bad") -> None:
     """``metric`` (log scale) against ``axis`` for every method setting: each seed's trajectory, faint, and the mean
     of ``log10`` over seeds on a grid of levels (where every seed reached them) with its 95% t-band."""
@@ -341,7 +413,8 @@ def write_report(results_dir: str, config, runs, main_setting=("RePULSe", "a0.1_
     """Tables, mechanism and figures of the runs done so far; ``None`` when nothing is there yet."""
     initial, summaries = load_runs(results_dir, runs)
     _, everything = load_runs(results_dir)
-    summaries = [s for s in summaries if (s["run"].get("threads") or 1) == 1]
+    summaries = join_extensions([s for s in summaries if (s["run"].get("threads") or 1) == 1])
+    everything = join_extensions(everything)
     if initial is None or not summaries:
         log(f"Nothing to report in {results_dir} yet.")
         return None
@@ -366,8 +439,10 @@ def write_report(results_dir: str, config, runs, main_setting=("RePULSe", "a0.1_
         }
         for s in summaries
     }
+    reach = ten_fold(initial, summaries)
     report = {
         "initial": initial["evals"][0],
+        "ten_fold": reach,
         "levels": levels,
         "tables": {f"{a}/{m}": rows for (a, m), rows in tables.items()},
         "mechanism": mech,
@@ -376,6 +451,7 @@ def write_report(results_dir: str, config, runs, main_setting=("RePULSe", "a0.1_
     _write_atomic(os.path.join(results_dir, "summary.json"), report)
     with open(os.path.join(results_dir, "table.md"), "w", encoding="utf-8") as f:
         f.write(_markdown(initial, tables, levels, mech))
+        f.write("\n".join(["", *_ten_fold_lines(reach, summaries)]))
         f.write("\n".join(["", *thread_check(initial, everything, levels["kl"], tuple(main_setting))]))
     for axis in ("kl", "reward"):
         for metric in ("p_bad", "p_bad_heldout"):
