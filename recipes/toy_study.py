@@ -3,6 +3,7 @@
     python recipes/toy_study.py --workers 2 --commit-results      # run what is missing, two 1-thread workers
     python recipes/toy_study.py --report-only                     # tables and figures from results/toy/runs
     python recipes/toy_study.py --plan threads --workers 1 --threads 2   # the thread-count check, alone
+    python recipes/toy_study.py --alignment true                  # the word lists against the classifier
 
 Settings and metrics: `trl_ext.study.toy`; the analysis: `trl_ext.study.toy_report` and results/toy/PLAN.md. Each
 run's summary is written atomically to ``<results-dir>/runs/<label>.json`` (and git-committed with
@@ -78,6 +79,10 @@ class ToyStudyArguments:
     updates: int | None = field(default=None, metadata={"help": "Override the updates per run (tests)."})
     samples_per_update: int | None = field(default=None, metadata={"help": "Override the samples (tests)."})
     report_only: bool = field(default=False, metadata={"help": "Only write the tables and figures."})
+    alignment: bool = field(
+        default=False,
+        metadata={"help": "Only write <results-dir>/alignment.md: the word lists' mass against the classifier."},
+    )
     commit_results: bool = field(default=False, metadata={"help": "git-commit each run's summary when written."})
     worker: bool = field(default=False, metadata={"help": "Internal: run as one worker (no report)."})
 
@@ -106,6 +111,19 @@ def main(argv=None):
     from trl_ext.study.toy import run_toy_queue, toy_runs
 
     config = toy_config(args)
+    if args.alignment:
+        import torch
+
+        from trl_ext.study.toy import ToyContext
+        from trl_ext.study.toy_alignment import alignment_markdown, word_list_alignment
+
+        torch.set_num_threads(args.threads)
+        text = alignment_markdown(word_list_alignment(ToyContext(config)))
+        os.makedirs(args.results_dir, exist_ok=True)
+        with open(os.path.join(args.results_dir, "alignment.md"), "w", encoding="utf-8") as f:
+            f.write(text)
+        print(text)
+        return text
     runs = toy_runs(config, PLANS[args.plan], threads=args.threads)
     command = "python recipes/toy_study.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if not args.report_only:

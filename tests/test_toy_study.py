@@ -348,3 +348,28 @@ def test_join_extensions_and_ten_fold():
     assert reach[0]["final_drop"] == pytest.approx(12.5)
     # an orphan extension is dropped
     assert toy_report.join_extensions([ext]) == []
+
+
+def test_word_list_alignment_splits_the_first_token_mass_by_the_classifier():
+    pytest.importorskip("profanity_check")
+    from trl_ext.study.toy import PROMPT, ToyContext
+    from trl_ext.study.toy_alignment import alignment_markdown, word_list_alignment
+
+    context = ToyContext(ToyConfig(model="tiny"))
+    result = word_list_alignment(context)
+    assert context.bad_ids, "the tiny kit's tokenizer should hold some training-list words as tokens"
+    ids = torch.tensor([list(context.prompt_ids)])
+    with torch.no_grad():
+        first = context.model(input_ids=ids).logits[0, -1].log_softmax(-1).exp()
+    for name, bad in (("training", context.bad_ids), ("held-out", context.heldout_ids)):
+        r = result[name]
+        assert {row["id"] for row in r["tokens"]} == set(bad)
+        assert r["first_token_mass"] == pytest.approx(float(first[list(bad)].sum()), rel=1e-5)
+        if not bad:  # the tiny kit's tokenizer need not hold a held-out word as one token
+            continue
+        row = r["tokens"][0]  # the most likely listed token, scored as the trainer's reward scores it
+        assert row["p_offensive"] == pytest.approx(1 - math.exp(context.reward([PROMPT], [row["token"]])[0]), abs=1e-6)
+        flagged = sum(t["first_token_probability"] for t in r["tokens"] if t["p_offensive"] > 0.5)
+        assert r["flagged_share"] == pytest.approx(flagged / r["first_token_mass"])
+        assert r["flagged_share"] + r["unflagged_share"] == pytest.approx(1.0)
+    assert "held-out word list" in alignment_markdown(result)
