@@ -4,7 +4,15 @@ from importlib import import_module
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
-from ._notices import install_notice_filters
+try:
+    import torch  # noqa: F401
+except ModuleNotFoundError:  # a plain `pip install trl_ext` into an environment without PyTorch
+    raise ModuleNotFoundError(
+        "trl_ext needs PyTorch, which is not installed here: install the build for your machine first "
+        "(https://pytorch.org/get-started/locally/, e.g. `pip install torch`), then `pip install trl_ext`."
+    ) from None
+
+from ._notices import install_notice_filters  # noqa: E402
 
 install_notice_filters()  # before transformers/PEFT import bitsandbytes (see trl_ext/_notices.py)
 
