@@ -308,7 +308,7 @@ def run_method(method: Method, base_model, tokenizer, reward, args, evaluate_fn,
         "use_cpu": True,
         "activation_checkpointing": False,
         "local_rollout_forward_batch_size": max(64, args.num_samples),
-        "save_negdata": negdata,  # every bad sample met (by p or q), and the logged `p_bad` (reward < −0.5)
+        "save_negdata": os.path.basename(negdata),  # under output_dir: every bad sample met (by p or q); p_bad < −0.5
         "save_negdata_threshold": BAD_REWARD / 2,
         **method.options,
     }

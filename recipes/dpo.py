@@ -95,7 +95,7 @@ def main(script_args: DPOScriptArguments, training_args: DPOConfig, model_args: 
         processing_class=tokenizer,
         peft_config=peft_config,
     )
-    cli.train_and_save(trainer, training_args)
+    cli.train_and_save(trainer, training_args, plot=script_args.plot)
     trainer.accelerator.print(
         f"Trained {trainer.state.global_step} DPO steps (extra loss: {training_args.extra_loss}) on "
         f"{cli.processes_text(trainer)}; policy saved to {training_args.output_dir}"

@@ -110,7 +110,7 @@ def main(script_args: HarmlessnessScriptArguments, training_args: HarmlessnessCo
         peft_config=peft_config,
         pretrain_dataset=cli.load_pretrain_dataset(training_args),  # --pretrain_data: the ptx loss's texts
     )
-    cli.train_and_save(trainer, training_args)  # policy, proposal/, tokenizer; pushes with --push_to_hub
+    cli.train_and_save(trainer, training_args, plot=script_args.plot)  # policy, proposal/, tokenizer; --push_to_hub
     trainer.accelerator.print(
         f"Trained {trainer.state.global_step} {training_args.loss_type} steps on {cli.processes_text(trainer)}; "
         f"policy saved to {training_args.output_dir}"

@@ -47,7 +47,7 @@ def main(script_args: cli.DatasetScriptArguments, training_args: KDConfig, model
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
     )
-    cli.train_and_save(trainer, training_args)
+    cli.train_and_save(trainer, training_args, plot=script_args.plot)
     trainer.accelerator.print(
         f"Trained {trainer.state.global_step} distillation steps (kd_coef={training_args.kd_coef}) on "
         f"{cli.processes_text(trainer)}; student saved to {training_args.output_dir}"

@@ -100,7 +100,7 @@ def main(
         peft_config=peft_config,
         pretrain_dataset=cli.load_pretrain_dataset(training_args),  # --pretrain_data: the ptx loss's texts
     )
-    cli.train_and_save(trainer, training_args)  # policy, critic (value_model/), tokenizer; pushes with --push_to_hub
+    cli.train_and_save(trainer, training_args, plot=script_args.plot)  # policy, value_model/, tokenizer; --push_to_hub
     trainer.accelerator.print(
         f"Trained {training_args.num_total_batches} PPO updates ({trainer.state.global_step} optimizer steps) on "
         f"{cli.processes_text(trainer)}; policy saved to {training_args.output_dir}"

@@ -71,7 +71,7 @@ def main(script_args: cli.DatasetScriptArguments, training_args: PRMConfig, mode
         processing_class=tokenizer,
         peft_config=peft_config,
     )
-    cli.train_and_save(trainer, training_args)
+    cli.train_and_save(trainer, training_args, plot=script_args.plot)
     trainer.accelerator.print(
         f"Trained {trainer.state.global_step} PRM steps on {cli.processes_text(trainer)}; model saved to "
         f"{training_args.output_dir}"

@@ -84,7 +84,7 @@ def main(script_args: ProposalScriptArguments, training_args: ProposalConfig, mo
         eval_dataset=eval_dataset,
         peft_config=peft_config,
     )
-    cli.train_and_save(trainer, training_args)  # q (a modulation saves only itself) and the tokenizer
+    cli.train_and_save(trainer, training_args, plot=script_args.plot)  # q (a modulation saves only itself), tokenizer
     trainer.accelerator.print(
         f"Trained the proposal for {trainer.state.global_step} optimizer steps ({training_args.loss_type}, "
         f"{training_args.parameterization}) on {cli.processes_text(trainer)}; saved to {training_args.output_dir}"

@@ -81,7 +81,7 @@ def main(script_args: SFTScriptArguments, training_args: SFTConfig, model_args: 
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
     )
-    cli.train_and_save(trainer, training_args)
+    cli.train_and_save(trainer, training_args, plot=script_args.plot)
     trainer.accelerator.print(
         f"Trained {trainer.state.global_step} SFT steps on {cli.processes_text(trainer)}; model saved to "
         f"{training_args.output_dir}"

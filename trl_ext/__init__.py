@@ -50,6 +50,7 @@ _LAZY = {
     "bad_output_probability": "trl_ext.eval",
     "eval_heldout": "trl_ext.eval",
     "plot_frontier": "trl_ext.eval",
+    "plot_log_history": "trl_ext.trainers.common.run_summary",
 }
 
 

@@ -61,6 +61,7 @@ from .metrics import log_completions_table, print_completions_table
 from .model_card import CompleteModelCard, write_text_atomically
 from .resume import VerifiedResumeMixin
 from .reward_norm import RunningMoments
+from .run_summary import RunSummaryMixin
 from .vllm_setup import build_vllm_engine
 
 __all__ = ["OnlineTrainerMixin", "evaluates_with_ema", "forked_rng", "hub_push_errors"]
@@ -123,7 +124,7 @@ def hub_push_errors(trainer, creating: bool = False) -> Iterator[None]:
 
 
 class OnlineTrainerMixin(
-    FiniteStepsMixin, CompleteModelCard, VerifiedResumeMixin, CpuFsdpMixin, FrozenModelsMixin, abc.ABC
+    RunSummaryMixin, FiniteStepsMixin, CompleteModelCard, VerifiedResumeMixin, CpuFsdpMixin, FrozenModelsMixin, abc.ABC
 ):
     """Setup, data, resume and save steps shared by the online trainers (see the module docs)."""
 

@@ -227,6 +227,9 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         self._micro_step, self._experience = None, None
         self._train_start, self._episode_start = time.time(), None
 
+    def run_summary_unit(self) -> tuple[str, int]:
+        return "PPO update", self.args.updates_per_rollout  # the end-of-run table's "seconds per PPO update"
+
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # `Trainer`'s loader expects one weight file for the module it trains; PPO checkpoints keep the policy in HF
         # format at the root and the critic in value_model/ (see `checkpoint.py`). Optimizer, scheduler, RNG and
