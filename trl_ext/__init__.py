@@ -31,6 +31,7 @@ _LAZY = {
     "as_reward_function": "trl_ext.models",
     "load_critic": "trl_ext.models",
     "load_reward_model": "trl_ext.models",
+    "CountUpdates": "trl_ext.trainers",
     "PPOConfig": "trl_ext.trainers",
     "PPOTrainer": "trl_ext.trainers",
     "HarmlessnessConfig": "trl_ext.trainers",

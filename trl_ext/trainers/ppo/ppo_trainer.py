@@ -48,7 +48,7 @@ from ..common.metrics import PPOMetrics, rollout_metrics
 from ..common.online import OnlineTrainerMixin, evaluates_with_ema, forked_rng
 from ..common.ptx import build_ptx
 from ..common.vllm_setup import importance_corrected_advantages
-from .compat import TRL112Attributes, UpdateCadence
+from .compat import TRL112Attributes, UpdateCadence, update_columns
 from .experience import (
     Experience,
     PPORewards,
@@ -557,6 +557,7 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
             logs.update(self._metrics.pop(self._gather_object()))  # every process's metrics
             if "learning_rate" in logs:
                 logs["lr"] = logs["learning_rate"]
+        logs.update(update_columns(self.state.global_step, self.args.updates_per_rollout))
         super().log(logs, start_time)
 
     # ----------------------------------------------------------------------------------- samples & evaluation
