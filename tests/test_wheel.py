@@ -29,14 +29,25 @@ def _run(cmd, cwd, env, timeout=300):
 def installed(tmp_path_factory):
     """``(venv folder, environment)`` with the freshly built wheel installed and the repository off the path."""
     root = tmp_path_factory.mktemp("wheel")
-    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(root), str(REPO)]
-    _run(build, root, os.environ.copy())
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # pip must not see the checkout as installed
+    build = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "-q",
+        "-w",
+        str(root),
+        str(REPO),
+    ]
+    _run(build, root, clean)
     (wheel,) = root.glob("trl_ext-*.whl")
     venv = root / "venv"
-    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], root, os.environ.copy())
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], root, clean)
     python = venv / "bin" / "python"
-    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)], root,
-         os.environ.copy())  # fmt: skip
+    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)], root, clean)
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     # the dependencies of this environment, after the venv's own packages (so trl_ext resolves to the wheel's copy)
