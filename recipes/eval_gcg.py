@@ -1,62 +1,12 @@
 """Jailbreak a policy with GCG (through nanogcg) and measure the attack success rate before and after.
 
-    pip install --no-deps nanogcg==0.3.0 scipy                       # once (the `attacks` extra)
-    python recipes/eval_gcg.py --model_name_or_path my-policy --behaviors_csv examples/behaviors_toy.csv \\
-        --reward_model_path my-rm --success_criterion reward --threshold -4 --output_path outputs/gcg.json
-    python recipes/eval_gcg.py --config my_gcg.yaml                  # the same options from a YAML file
-    python recipes/eval_gcg.py --help                                # every option
-
-For each goal GCG optimises a suffix so that the chat-templated `goal + suffix` makes the model start its answer
-with the target; `--samples_per_prompt` responses are sampled before and after, and a goal is jailbroken when any
-of them has no refusal phrase (`--success_criterion prefix`) or a reward below `--threshold` (`reward`; the
-report also gives τ − 1). The JSON report has the ASR before/after with Wilson 95% intervals, the suffixes, the GCG
-loss histories and the target's log-probs (see `trl_ext.eval.attacks.eval_gcg`).
-
-Goals: `--behaviors_csv FILE` (columns goal,target) or `--advbench` (goals from an installed `pyrit` package, each
-paired with `--advbench_target`); `--scenario strings` attacks the targets alone (user message = suffix only).
+The recipe itself is `trl_ext/recipes/eval_gcg.py`: this file runs it, as do
+`python -m trl_ext.recipes.eval_gcg` and the `trl-ext` command. `--help` lists its options.
 """
 
-from __future__ import annotations
-
-from dataclasses import dataclass, field
-
-from trl_ext import cli
-from trl_ext.eval.attacks import cli as attack_cli
-from trl_ext.eval.attacks import eval_gcg
-
-
-@dataclass
-class GCGArguments:
-    """GCG's options (nanogcg's `GCGConfig`; the other settings are fixed, see `trl_ext.eval.attacks.gcg`)."""
-
-    num_steps: int = field(default=250, metadata={"help": "GCG optimisation steps per goal."})
-    search_width: int = field(default=512, metadata={"help": "Candidate suffixes evaluated per step."})
-    topk: int = field(default=256, metadata={"help": "Top-k tokens by gradient considered per suffix position."})
-    batch_size: int | None = field(
-        default=None, metadata={"help": "Candidates per forward pass; unset: all candidates of a step at once."}
-    )
-    n_replace: int = field(default=1, metadata={"help": "Suffix positions changed per candidate."})
-    optim_str_init: str = field(default="x x x x x x x x x x", metadata={"help": "The suffix GCG starts from."})
-
-
-def main(args: attack_cli.AttackScriptArguments, gcg_args: GCGArguments) -> dict:
-    """Load the model, the goals and the reward, run the evaluation, write and return the report."""
-    behaviors = attack_cli.load_behaviors(args)
-    model, tokenizer = attack_cli.load_model_and_tokenizer(args)
-    reward = attack_cli.load_reward(args, tokenizer)
-    report = eval_gcg(
-        model, tokenizer, behaviors, reward=reward, **attack_cli.eval_kwargs(args, "gcg"), **vars(gcg_args)
-    )
-    print(attack_cli.summary(report))
-    return report
-
-
-def make_parser():
-    """The recipe's argument parser (`--config file.yaml` supported)."""
-    return cli.make_parser(
-        (attack_cli.AttackScriptArguments, GCGArguments), "Evaluate a policy against GCG jailbreak suffixes."
-    )
-
+import runpy
 
 if __name__ == "__main__":
-    main(*make_parser().parse_args_and_config())
+    runpy.run_module("trl_ext.recipes.eval_gcg", run_name="__main__", alter_sys=True)
+else:  # imported by path (tests, notebooks): the recipe's names
+    from trl_ext.recipes.eval_gcg import *  # noqa: F403

@@ -1,107 +1,12 @@
 """Train a policy with KTO (trl_ext's KTOTrainer: TRL's KTO plus extra losses) from the command line or a YAML file.
 
-    accelerate launch recipes/kto.py --config examples/kto_tiny.yaml                     # tiny CPU run (examples/)
-    accelerate launch recipes/kto.py --config examples/kto_tiny.yaml \\
-        --negative_data_path outputs/harmlessness-toy/negdata.jsonl --extra_loss unlikelihood
-    python recipes/kto.py --help                                                           # every option
-
-Options come from three dataclasses: `KTOScriptArguments` (the shared dataset arguments plus the negative data),
-trl_ext's `KTOConfig` (TRL's KTO options plus `extra_loss`, `extra_loss_coef`, ...) and TRL's `ModelConfig` (policy
-loading, LoRA, 4/8-bit). Values in the `--config` YAML replace the defaults and command-line flags replace both.
-
-- Policy and tokenizer: `--model_name_or_path`. Reference: `--ref_model_name_or_path`, else a frozen copy of the
-  policy loaded from the same path (the policy with its adapters disabled under `--use_peft`).
-- Data: `--dataset_name` (a Hub id, a local folder or a .json/.jsonl/.csv/.parquet file with `prompt`,
-  `completion`, `label`; paired `chosen`/`rejected` data is unpaired by TRL), or `--negative_data_path`: the bad
-  samples of a harmlessness run as undesirable rows, plus the desirable rows of `--desirable_data_path` (a data file
-  with `prompt` and `completion`) if given. `--dataset_mixture`/`--dataset_probs`, `--max_samples`, `--input_template`
-  and `--apply_chat_template` as in every recipe (docs/data.md); with `--negative_data_path` only `--max_samples`
-  applies.
-- Checkpoints: `--save_strategy steps --save_steps N`; resume with `--resume_from_checkpoint <folder>` (or `last`).
-  The final model is saved to `--output_dir` and pushed with `--push_to_hub`.
+The recipe itself is `trl_ext/recipes/kto.py`: this file runs it, as do
+`python -m trl_ext.recipes.kto` and the `trl-ext` command. `--help` lists its options.
 """
 
-from __future__ import annotations
-
-from dataclasses import dataclass, field
-
-from trl import ModelConfig, ScriptArguments
-
-from trl_ext import cli
-from trl_ext.data import select_first
-from trl_ext.trainers.preference.data import unpaired_from_negative_data
-from trl_ext.trainers.preference.kto import KTOConfig, KTOTrainer
-
-
-@dataclass
-class KTOScriptArguments(cli.DatasetScriptArguments):
-    """The shared dataset arguments plus the reference model and the negative data."""
-
-    ref_model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Reference model checkpoint (default: the policy's own checkpoint)."}
-    )
-    negative_data_path: str | None = field(
-        default=None,
-        metadata={
-            "help": "Negative-data JSONL of a harmlessness run (rows: prompt, response, reward, step, source); its "
-            "responses become undesirable rows. Replaces --dataset_name."
-        },
-    )
-    desirable_data_path: str | None = field(
-        default=None,
-        metadata={
-            "help": "With --negative_data_path: a .json/.jsonl/.csv/.parquet file of desirable rows "
-            "(prompt, completion)."
-        },
-    )
-
-
-def load_datasets(script_args: KTOScriptArguments, training_args: KTOConfig, tokenizer):
-    """``(train_dataset, eval_dataset)``: from ``--negative_data_path`` (no eval split) or ``--dataset_name``."""
-    if script_args.negative_data_path is None:
-        if script_args.desirable_data_path is not None:
-            raise ValueError("--desirable_data_path applies to --negative_data_path; set it as well.")
-        return cli.train_and_eval_splits(script_args, training_args, tokenizer)
-    cli.check_negative_data_options(script_args)
-    desirable = None
-    if script_args.desirable_data_path is not None:
-        desirable = cli.load_prompts(ScriptArguments(dataset_name=script_args.desirable_data_path))["train"]
-    train_dataset = unpaired_from_negative_data(script_args.negative_data_path, desirable, tokenizer=tokenizer)
-    return select_first(train_dataset, script_args.max_samples), None
-
-
-def main(script_args: KTOScriptArguments, training_args: KTOConfig, model_args: ModelConfig) -> None:
-    """Load the models and the data, train (or resume), save the final policy (pushed if asked)."""
-    cli.seed_run(training_args)  # before any model is built: fresh heads / adapters follow --seed
-    tokenizer, policy, ref_model, peft_config = cli.load_preference_models(
-        model_args, script_args.ref_model_name_or_path
-    )
-    train_dataset, eval_dataset = load_datasets(script_args, training_args, tokenizer)
-
-    trainer = KTOTrainer(
-        model=policy,
-        ref_model=ref_model,
-        args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-    )
-    cli.train_and_save(trainer, training_args)
-    trainer.accelerator.print(
-        f"Trained {trainer.state.global_step} KTO steps (extra loss: {training_args.extra_loss}) on "
-        f"{cli.processes_text(trainer)}; policy saved to {training_args.output_dir}"
-    )
-
-
-def make_parser():
-    """The recipe's argument parser (`--config file.yaml` supported)."""
-    return cli.make_parser(
-        (KTOScriptArguments, KTOConfig, ModelConfig),
-        "Train a policy with KTO (trl_ext.KTOTrainer: TRL's KTO plus extra losses and negative data).",
-    )
-
+import runpy
 
 if __name__ == "__main__":
-    main(*make_parser().parse_args_and_config())
-    cli.exit_process()  # after a multi-process job: no interpreter teardown (see its docstring)
+    runpy.run_module("trl_ext.recipes.kto", run_name="__main__", alter_sys=True)
+else:  # imported by path (tests, notebooks): the recipe's names
+    from trl_ext.recipes.kto import *  # noqa: F403

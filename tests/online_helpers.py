@@ -64,7 +64,12 @@ def assert_help_lists(script: Path, options: tuple[str, ...]) -> None:
 
 
 def load_script(path: Path):
-    """Import a script of the repository (not part of the package) as a module."""
+    """Import a script of the repository as a module: a recipe (``recipes/<name>.py``, a thin entry point) as the
+    package module it runs, ``trl_ext.recipes.<name>`` (freshly imported); any other script from its file."""
+    path = Path(path)
+    if path.parent.resolve() == RECIPES.resolve():
+        sys.modules.pop(f"trl_ext.recipes.{path.stem}", None)
+        return importlib.import_module(f"trl_ext.recipes.{path.stem}")
     spec = importlib.util.spec_from_file_location(f"_trl_ext_script_{path.parent.name}_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules

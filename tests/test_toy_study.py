@@ -178,11 +178,8 @@ def test_mechanism_amplification(tmp_path):
 # ------------------------------------------------------------------------------------------------ runs and demo
 def test_plan_and_keys():
     config = ToyConfig(model="tiny")
-    sys.path.insert(0, str(REPO / "recipes"))
-    try:
-        import toy_study
-    finally:
-        sys.path.pop(0)
+    from trl_ext.recipes import toy_study
+
     runs = toy_runs(config, toy_study.PLANS["main"])
     labels = [r.label for r in runs]
     assert len(labels) == len(set(labels))
@@ -215,14 +212,11 @@ def test_lock_of_a_dead_worker_is_taken_over(tmp_path):
 
 @pytest.fixture(scope="module")
 def demo_module():
-    spec = importlib.util.spec_from_file_location("demo_repulse", REPO / "recipes" / "demo_repulse.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
+    module = importlib.import_module("trl_ext.recipes.demo_repulse")
     try:
-        spec.loader.exec_module(module)
         yield module
     finally:
-        sys.modules.pop(spec.name, None)
+        sys.modules.pop(module.__name__, None)
 
 
 def test_continuous_reward_demo_end_to_end(demo_module, tmp_path, capsys):

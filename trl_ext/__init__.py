@@ -4,7 +4,15 @@ from importlib import import_module
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
-from ._notices import install_notice_filters
+try:
+    import torch  # noqa: F401
+except ModuleNotFoundError:  # a plain `pip install trl_ext` into an environment without PyTorch
+    raise ModuleNotFoundError(
+        "trl_ext needs PyTorch, which is not installed here: install the build for your machine first "
+        "(https://pytorch.org/get-started/locally/, e.g. `pip install torch`), then `pip install trl_ext`."
+    ) from None
+
+from ._notices import install_notice_filters  # noqa: E402
 
 install_notice_filters()  # before transformers/PEFT import bitsandbytes (see trl_ext/_notices.py)
 
@@ -23,6 +31,7 @@ _LAZY = {
     "as_reward_function": "trl_ext.models",
     "load_critic": "trl_ext.models",
     "load_reward_model": "trl_ext.models",
+    "CountUpdates": "trl_ext.trainers",
     "PPOConfig": "trl_ext.trainers",
     "PPOTrainer": "trl_ext.trainers",
     "HarmlessnessConfig": "trl_ext.trainers",
@@ -42,6 +51,7 @@ _LAZY = {
     "bad_output_probability": "trl_ext.eval",
     "eval_heldout": "trl_ext.eval",
     "plot_frontier": "trl_ext.eval",
+    "plot_log_history": "trl_ext.trainers.common.run_summary",
 }
 
 

@@ -51,6 +51,7 @@ __all__ = [
     "seed_run",
     "train_and_eval_splits",
     "train_and_save",
+    "write_training_curves",
 ]
 
 FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -187,6 +188,14 @@ class DatasetScriptArguments(ScriptArguments):
             "tokenizer's chat template (a tokenizer without one is an error)."
         },
     )
+    plot: bool = field(
+        default=False,
+        metadata={
+            "help": "After training, draw the main curves of the log (reward, KL, p_bad, loss: those the trainer "
+            "logs) against the step into <output_dir>/training_curves.png (trl_ext.plot_log_history; needs "
+            "matplotlib)."
+        },
+    )
 
     def __post_init__(self):
         if self.dataset_mixture is not None:
@@ -202,6 +211,11 @@ class DatasetScriptArguments(ScriptArguments):
         if self.input_template is not None:  # a shell passes "\n" as backslash + n: read it as a newline
             self.input_template = self.input_template.replace("\\n", "\n").replace("\\t", "\t")
             check_input_template(self.input_template)
+        if self.plot:
+            import importlib.util
+
+            if importlib.util.find_spec("matplotlib") is None:  # refused before training, not after it
+                raise ValueError("--plot true draws with matplotlib: `pip install matplotlib` (or trl_ext[eval]).")
 
 
 def load_prompts(script_args: ScriptArguments, name: str | None = None):
@@ -451,13 +465,38 @@ def lexical_reward(script_args: RewardScriptArguments):
 
 
 # ------------------------------------------------------------------------------------------------- training
-def train_and_save(trainer, training_args) -> None:
+def train_and_save(trainer, training_args, plot: bool = False) -> None:
     """Train (``--resume_from_checkpoint`` may be a folder, or ``true`` / ``last`` for the newest complete checkpoint
-    in ``--output_dir``), then save the final model(s) to ``--output_dir`` (pushed with ``--push_to_hub``)."""
+    in ``--output_dir``), then save the final model(s) to ``--output_dir`` (pushed with ``--push_to_hub``). The end of
+    `train()` prints the run summary table (trl_ext's trainers do it themselves; TRL's get the callback here).
+    ``plot`` (``--plot``): then write ``<output_dir>/training_curves.png`` (:func:`write_training_curves`)."""
+    from .trainers.common.run_summary import RunSummaryMixin, add_run_summary
+
+    if not isinstance(trainer, RunSummaryMixin):  # TRL's own trainers (SFT, reward)
+        add_run_summary(trainer)
     resume = training_args.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=True if resume in ("true", "True", "last") else resume)
     trainer.save_model(training_args.output_dir)
     finish_distributed(trainer.accelerator)
+    if plot and trainer.accelerator.is_main_process:
+        write_training_curves(trainer.state.log_history, training_args.output_dir)
+
+
+def write_training_curves(log_history, output_dir: str) -> str | None:
+    """``<output_dir>/training_curves.png`` of ``log_history`` (:func:`trl_ext.plot_log_history`); its path, or
+    ``None`` with a warning when the log holds none of the curves (the trained model is saved either way)."""
+    import logging
+
+    from .trainers.common.run_summary import plot_log_history
+
+    path = os.path.join(output_dir, "training_curves.png")
+    try:
+        plot_log_history(log_history, path)
+    except ValueError as err:
+        logging.getLogger(__name__).warning("--plot: no training_curves.png written: %s", err)
+        return None
+    print(f"Training curves: {path}")
+    return path
 
 
 _ENDED_DISTRIBUTED_JOB = False

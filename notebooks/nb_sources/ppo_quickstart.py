@@ -259,7 +259,7 @@ CELLS = [
         trainer.train()
         train_seconds = time.perf_counter() - train_start
         history = pd.DataFrame([row for row in trainer.state.log_history if "objective/scores" in row])
-        history.insert(0, "update", range(1, len(history) + 1))  # one logged row per rollout; `step` counts optimizer steps
+        # one logged row per rollout: `update` counts PPO updates (TRL 1.12's step), `step` counts optimizer steps
         columns = ["update", "step", "objective/scores", "objective/kl", "objective/rlhf_reward", "policy/approxkl_avg"]
         SUMMARY = {"train_seconds": round(train_seconds, 1), "rollouts": len(history)}
         SUMMARY["optimizer_steps"] = trainer.state.global_step  # num_ppo_epochs × num_mini_batches per rollout

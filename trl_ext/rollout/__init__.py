@@ -9,6 +9,8 @@ trainers (`trl_ext.trainers`), held-out evaluation and attacks (`trl_ext.eval`) 
   critic and reward passes);
 - `compiled_decode`: a compiled per-token decode step for `generate` on a static KV cache (`compile_generation`);
 - `reward`: `RolloutReward` (a reward model on the token ids, or a reward function on the decoded texts);
+- `reward_list`: `WeightedRewards`, a list of rewards summed with weights (GRPO's `reward_funcs`/`reward_weights`);
+- `columns`: the dataset columns that reach reward functions as keyword lists (`solution`, ...);
 - `reference`: `ReferencePolicy` (a separate model, or the policy with its adapters disabled);
 - `finite`: the check of every rollout's rewards for NaN / ±inf (`nonfinite_rewards`: raise, or drop the samples);
 - `data`: prompt datasets, the left-padding collator and the rollout sampler;

@@ -4,7 +4,8 @@ Written once for every online trainer (PPO, the proposal and the harmlessness tr
 
 - :func:`prepare_prompt_dataset` accepts a ``prompt`` column (plain strings, or conversational message lists that
   get the tokenizer's chat template with the generation prompt) or a pre-tokenised ``input_ids`` column (TRL 1.12's
-  PPO format), and returns a dataset with a single ``input_ids`` column.
+  PPO format), and returns a dataset with a single ``input_ids`` column (the online trainers keep the other columns
+  for their reward functions, :mod:`.columns`).
 - :class:`PromptCollator` left-pads prompts (generation appends to the right end).
 - :func:`left_padded` turns any padded batch into a left-padded one using its attention mask.
 - :class:`RolloutSampler` yields the prompts of each rollout, repeated once per optimisation micro-step, in an order
@@ -20,6 +21,8 @@ import torch
 from torch.utils.data import Sampler
 from trl import is_conversational, maybe_apply_chat_template
 from trl.trainer.utils import pad
+
+from .columns import reward_columns
 
 __all__ = [
     "PromptCollator",
@@ -81,8 +84,11 @@ def check_pad_token(tokenizer) -> None:
         )
 
 
-def prepare_prompt_dataset(dataset, tokenizer, *, num_proc: int | None = None, name: str = "train_dataset"):
-    """Validate a prompt dataset and tokenise it to a single ``input_ids`` column.
+def prepare_prompt_dataset(
+    dataset, tokenizer, *, num_proc: int | None = None, name: str = "train_dataset", keep_columns: bool = False
+):
+    """Validate a prompt dataset and tokenise it to a single ``input_ids`` column (plus, with ``keep_columns``, its
+    reward columns, :func:`~trl_ext.rollout.columns.reward_columns`).
 
     Args:
         dataset: a `datasets.Dataset` with a ``prompt`` column (strings, or lists of ``{"role", "content"}``
@@ -92,9 +98,10 @@ def prepare_prompt_dataset(dataset, tokenizer, *, num_proc: int | None = None, n
             them); plain strings are tokenised with the tokenizer's defaults, as TRL 1.12's PPO example did.
         num_proc: processes for `Dataset.map`.
         name: the argument name, for error messages.
+        keep_columns: keep the columns other than the prompt (the online trainers pass them to reward functions).
 
     Returns:
-        A dataset with the single column ``input_ids``.
+        A dataset with the column ``input_ids`` (and the reward columns with ``keep_columns``).
 
     Raises:
         ValueError: the dataset is empty, neither column is present, conversational prompts without a chat template,
@@ -113,8 +120,10 @@ def prepare_prompt_dataset(dataset, tokenizer, *, num_proc: int | None = None, n
     columns = list(getattr(dataset, "column_names", None) or [])
     if not columns:
         columns = list(dataset[0].keys())
+    kept = reward_columns(dataset) if keep_columns else []
     if "input_ids" in columns:
-        prepared = dataset.remove_columns([c for c in columns if c != "input_ids"]) if len(columns) > 1 else dataset
+        dropped = [c for c in columns if c != "input_ids" and c not in kept]
+        prepared = dataset.remove_columns(dropped) if dropped else dataset
     elif "prompt" in columns:
         first = dataset[0]
         conversational = is_conversational({"prompt": first["prompt"]})
@@ -132,7 +141,8 @@ def prepare_prompt_dataset(dataset, tokenizer, *, num_proc: int | None = None, n
                 return {"input_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
             return {"input_ids": tokenizer(example["prompt"])["input_ids"]}
 
-        prepared = dataset.map(tokenize, remove_columns=columns, num_proc=num_proc, desc=f"Tokenizing {name}")
+        dropped = [c for c in columns if c not in kept]
+        prepared = dataset.map(tokenize, remove_columns=dropped, num_proc=num_proc, desc=f"Tokenizing {name}")
     else:
         raise ValueError(
             f"{name} has columns {columns}, but a prompt dataset needs a 'prompt' column (text or chat messages) or "

@@ -43,11 +43,13 @@ from ..models.value_head import AutoModelForCausalLMWithValueHead
 from ..ops.logprobs import DEFAULT_CHUNK_SIZE
 from ..ops.sequences import truncate_after_stop_token
 from ..utils import eval_mode
+from .columns import repeat_columns, select_columns
 from .compiled_decode import static_decode_cache
 from .finite import screen_rewards
 from .fsdp import call_as_root_forward, is_fsdp_sharded
 from .reference import ReferencePolicy
 from .reward import RolloutReward
+from .reward_list import WeightedRewards
 from .sampling import SampleAndRecord
 from .scoring import PolicyOutput, causal_lm_outputs, forward_response, supports_logits_to_keep
 from .shared_prefix import prefill_prompts, shared_prompt_logprobs, shared_prompt_values
@@ -108,6 +110,12 @@ class Rollout:
     engine_logprobs: torch.Tensor | None = None
     """``(B, T)`` fp32 log-probs of the response tokens under the vLLM engine that sampled them (``use_vllm``; for the
     importance-sampling correction, `trl_ext.ops.vllm_importance_weights`); ``None`` with ``generate``."""
+    columns: dict[str, list] | None = None
+    """The rows' dataset reward columns (one value per row, :mod:`.columns`) the rewards were computed with; ``None``
+    without any. Not saved by :meth:`state_dict`."""
+    reward_components: dict[str, torch.Tensor] | None = None
+    """``{name: (B,)}`` unweighted values of each reward function of a list (:mod:`.reward_list`), before
+    ``missing_eos_penalty``; ``None`` with a single reward. Not saved by :meth:`state_dict`."""
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -135,7 +143,10 @@ class Rollout:
 
     def select(self, index: torch.Tensor | slice) -> Rollout:
         """The rows ``index`` (a slice or an index tensor); grouping by prompt is only kept by aligned slices."""
-        return replace(self, **{name: value[index] for name, value in self._tensor_fields()})
+        rows = {name: value[index] for name, value in self._tensor_fields()}
+        if self.reward_components is not None:
+            rows["reward_components"] = {k: v[index] for k, v in self.reward_components.items()}
+        return replace(self, **rows, columns=select_columns(self.columns, index))
 
     def split(self, size: int) -> list[Rollout]:
         """Consecutive chunks of ``size`` rows (the last may be shorter); a multiple of ``num_samples_per_prompt``
@@ -143,7 +154,10 @@ class Rollout:
         return [self.select(slice(start, start + size)) for start in range(0, self.batch_size, size)]
 
     def to(self, device: torch.device | str) -> Rollout:
-        return replace(self, **{name: value.to(device) for name, value in self._tensor_fields()})
+        moved = {name: value.to(device) for name, value in self._tensor_fields()}
+        if self.reward_components is not None:
+            moved["reward_components"] = {k: v.to(device) for k, v in self.reward_components.items()}
+        return replace(self, **moved)
 
     def state_dict(self) -> dict:
         """Plain dict of CPU tensors and numbers (``torch.save``-able, loadable with ``weights_only=True``)."""
@@ -455,12 +469,15 @@ class RolloutGenerator:
         prompt_mask: torch.Tensor,
         vision: VisionInputs | None = None,
         row_keys: torch.Tensor | None = None,
+        columns: dict[str, list] | None = None,
     ) -> Rollout:
         """Sample and score responses for left-padded ``prompt_ids``/``prompt_mask`` ``(B_p, P)``.
 
         ``model`` is the trainable module as the trainer holds it (possibly DDP/DeepSpeed/FSDP-wrapped); its forward
         gives the policy's logits (and ``value`` with ``with_values``). ``vision``: the prompts' image inputs.
         ``row_keys``: ``(B_p · N,)`` keys of the sampled rows' random streams (see :func:`generate_responses`).
+        ``columns``: the prompts' dataset reward columns (``{name: B_p values}``), each value repeated for the
+        prompt's ``N`` samples and passed to the reward (:mod:`.columns`).
         """
         n = self.settings.num_samples_per_prompt
         # FSDP2: submodules run only as the root's forward, so every pass keeps its whole rows there
@@ -468,6 +485,7 @@ class RolloutGenerator:
         prompt_ids = prompt_ids.repeat_interleave(n, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
         vision = vision.repeat_interleave(n) if vision is not None else None
+        columns = repeat_columns(columns, n)
         start = time.perf_counter()
         engine_logprobs = None
         if self.engine is not None:  # vLLM: weights loaded into the engine when stale, then sampled there
@@ -531,10 +549,18 @@ class RolloutGenerator:
                 reward_model = getattr(self.reward, "model", None)
                 share_reward = share and isinstance(self.reward, RolloutReward) and reward_model is not None
                 share_reward = {"share_prompts": True} if share_reward and self._full_precision(reward_model) else {}
+                weighted = isinstance(self.reward, WeightedRewards)
+                extra = {"return_components": True} if weighted else {}
                 with getattr(self.reward, "placed", contextlib.nullcontext)():
                     for rows in chunks:
                         batch = (prompt_ids[rows], prompt_mask[rows], responses[rows], response_mask[rows])
-                        parts["scores"].append(self.reward(*batch, rows_vision(rows), **share_reward))
+                        if columns is not None:
+                            extra["columns"] = select_columns(columns, rows)
+                        parts["scores"].append(self.reward(*batch, rows_vision(rows), **share_reward, **extra))
+        components = None
+        if weighted:  # (scores, {name: values}) per chunk
+            parts["scores"], chunk_components = zip(*parts["scores"])
+            components = {k: torch.cat([c[k] for c in chunk_components]) for k in chunk_components[0]}
         scores = torch.cat(parts["scores"])
         if self.missing_eos_penalty is not None:
             scores = torch.where(contains_stop, scores, scores - self.missing_eos_penalty)
@@ -552,6 +578,8 @@ class RolloutGenerator:
             timings={"generation": generation_time, "scoring": time.perf_counter() - start},
             vision=vision,
             engine_logprobs=engine_logprobs,
+            columns=columns,
+            reward_components=components,
         )
         many = self.accelerator is not None and self.accelerator.num_processes > 1
         reduce = (lambda count: self.accelerator.reduce(count, reduction="sum")) if many else None

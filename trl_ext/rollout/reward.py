@@ -1,5 +1,6 @@
 """`RolloutReward`: the reward of a rollout's ``prompt + response`` rows, from a reward model (on token ids) or any
-reward function (on decoded text). Re-exported by `trl_ext.rollout.generator`."""
+reward function (on decoded text, with the dataset's reward columns, :mod:`.columns`). Re-exported by
+`trl_ext.rollout.generator`; several rewards summed with weights are :class:`~.reward_list.WeightedRewards`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from ..models.offload import on_device
 from ..models.reward import get_sequence_scores
 from ..models.reward_functions import RewardFunction, as_reward_function
 from ..utils import eval_mode
+from .columns import missing_arguments
 from .shared_prefix import shared_prompt_scores
 from .vision import reward_images
 
@@ -24,7 +26,8 @@ class RolloutReward:
       mask, so left/right padding and pad == eos are right);
     - anything else goes through :func:`~trl_ext.models.as_reward_function` (a ``(model, tokenizer)`` pair, a
       ``RewardFunction``, a callable ``(prompts, completions) -> scores``, a URL, a checkpoint path) and is scored on
-      the decoded texts; with ``uses_images`` it also gets the rows' PIL images as ``images=``.
+      the decoded texts; with ``uses_images`` it also gets the rows' PIL images as ``images=``, and the rows' dataset
+      columns (``columns=``, :mod:`.columns`) as keyword lists.
 
     ``offload_device``: with a reward model kept on the CPU (``reward_offload=True``), the device it is moved to for
     its forward passes (each call, or the whole block of :meth:`placed`); ``None``: it stays where it is.
@@ -58,11 +61,13 @@ class RolloutReward:
 
     @torch.no_grad()
     def __call__(
-        self, prompt_ids, prompt_mask, response_ids, response_mask, vision=None, share_prompts: bool = False
-    ) -> torch.Tensor:
+        self, prompt_ids, prompt_mask, response_ids, response_mask, vision=None, share_prompts: bool = False,
+        columns: dict[str, list] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """``(B,)`` fp32 scores of the ``prompt + response`` rows. ``share_prompts``: a reward model runs each distinct
         prompt once and its responses on the prompt's cache (:func:`~trl_ext.rollout.shared_prefix.
-        shared_prompt_scores`; the same scores up to rounding)."""
+        shared_prompt_scores`; the same scores up to rounding). ``columns``: the rows' dataset columns (one value
+        per row), passed to a reward function by keyword (a reward model ignores them)."""
         device = prompt_ids.device
         if self.model is not None:
             with self.placed():
@@ -76,6 +81,14 @@ class RolloutReward:
                         scores = get_sequence_scores(self.model, ids, mask)
                     return scores.float().to(device)
         kwargs = {"images": reward_images(vision)} if self.uses_images else {}
+        kwargs.update(columns or {})
+        missing = missing_arguments(self.function, kwargs)
+        if missing:
+            raise ValueError(
+                f"The reward function {getattr(self.function, 'name', '')!r} requires {missing}, which these rows do "
+                f"not provide (their dataset columns: {sorted(columns or {}) or 'none'}): pass a dataset with those "
+                "columns, or give the parameters defaults."
+            )
         ids_and_masks = (prompt_ids, response_ids, self.tokenizer, prompt_mask, response_mask)
         scores = self.function.score_token_ids(*ids_and_masks, **kwargs)
         return scores.float().to(device)

@@ -373,7 +373,9 @@ def _template_messages(prompt, num_images: int, name: str, row: int) -> list[dic
     return messages
 
 
-def prepare_vision_dataset(dataset, processor, image_column: str, *, num_proc: int | None = None, name="dataset"):
+def prepare_vision_dataset(
+    dataset, processor, image_column: str, *, num_proc: int | None = None, name="dataset", keep: Sequence[str] = ()
+):
     """A prompt + image dataset with each prompt written through the processor's chat template.
 
     Args:
@@ -381,9 +383,11 @@ def prepare_vision_dataset(dataset, processor, image_column: str, *, num_proc: i
             image or a path per row; ``images``: a list of them).
         processor: the vision-language model's processor (its ``chat_template`` writes the image placeholders).
         image_column: ``"image"`` or ``"images"``.
+        keep: other columns to keep (the reward columns of the online trainers).
 
     Returns:
-        A dataset with two columns: ``prompt`` (the templated text, with the generation prompt) and ``image_column``.
+        A dataset with the columns ``prompt`` (the templated text, with the generation prompt), ``image_column`` and
+        ``keep``.
     """
     columns = list(dataset.column_names)
     if "prompt" not in columns:
@@ -401,7 +405,7 @@ def prepare_vision_dataset(dataset, processor, image_column: str, *, num_proc: i
         messages = _template_messages(prompt, len(_images_of(images, image_column, row)), name, row)
         return {"prompt": processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)}
 
-    drop = [c for c in columns if c != image_column]
+    drop = [c for c in columns if c != image_column and c not in keep]
     return dataset.map(
         template, input_columns=["prompt", image_column], with_indices=True, remove_columns=drop, num_proc=num_proc,
         desc=f"Templating {name}",

@@ -20,6 +20,7 @@ from . import _aliases
 from .harmlessness.harmlessness_config import HarmlessnessConfig
 from .harmlessness.harmlessness_trainer import HarmlessnessTrainer
 from .kd import KDConfig, KDTrainer
+from .ppo.compat import CountUpdates
 from .ppo.policy_value import PolicyAndValueModel
 from .ppo.ppo_config import PPOConfig
 from .ppo.ppo_trainer import PPORewards, PPOTrainer
@@ -41,6 +42,7 @@ __all__ = [
     "KDTrainer",
     "KTOConfig",
     "KTOTrainer",
+    "CountUpdates",
     "PPOConfig",
     "PPORewards",
     "PPOTrainer",

@@ -25,6 +25,7 @@ from .common.finite import FiniteStepsArguments, FiniteStepsMixin
 from .common.model_card import CompleteModelCard
 from .common.resume import VerifiedResumeMixin
 from .common.resume_config import ResumeConfigMixin
+from .common.run_summary import RunSummaryMixin
 from .common.shared_docs import document_shared_options
 
 __all__ = ["KDConfig", "KDTrainer"]
@@ -125,7 +126,7 @@ class KDConfig(FiniteStepsArguments, ResumeConfigMixin, SFTConfig):
             )
 
 
-class KDTrainer(CompleteModelCard, FiniteStepsMixin, VerifiedResumeMixin, CpuFsdpMixin, SFTTrainer):
+class KDTrainer(RunSummaryMixin, CompleteModelCard, FiniteStepsMixin, VerifiedResumeMixin, CpuFsdpMixin, SFTTrainer):
     """[`~trl.SFTTrainer`] that adds a distillation term towards a frozen teacher (see [`KDConfig`]).
 
     Args:

@@ -40,6 +40,7 @@ from .common.finite import FiniteStepsArguments, FiniteStepsMixin
 from .common.model_card import CompleteModelCard
 from .common.resume import VerifiedResumeMixin
 from .common.resume_config import ResumeConfigMixin
+from .common.run_summary import RunSummaryMixin
 from .common.shared_docs import document_shared_options
 
 __all__ = [
@@ -353,7 +354,9 @@ def _architecture_kind(model) -> str | None:
     return None
 
 
-class PRMTrainer(CompleteModelCard, FiniteStepsMixin, VerifiedResumeMixin, CpuFsdpMixin, _BaseTrainer):
+class PRMTrainer(
+    RunSummaryMixin, CompleteModelCard, FiniteStepsMixin, VerifiedResumeMixin, CpuFsdpMixin, _BaseTrainer
+):
     """Trains a process reward model on step-labelled solutions (see the module docstring and [`PRMConfig`]).
 
     Args:

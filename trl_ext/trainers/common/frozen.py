@@ -185,12 +185,30 @@ class FrozenModelsMixin:
     """Placement of the online trainers' frozen models (see the module docs); `OnlineTrainerMixin` calls
     :meth:`_place_frozen_models` once `Trainer.__init__` has built the accelerator."""
 
+    def _reward_modules(self) -> list[nn.Module]:
+        """The reward models (``nn.Module``, scored on the policy's token ids) of ``self.reward_model``: itself, or
+        those of a list of rewards."""
+        rewards = self.reward_model if isinstance(self.reward_model, list) else [self.reward_model]
+        return [reward for reward in rewards if isinstance(reward, nn.Module)]
+
     def _frozen_modules(self) -> dict[str, nn.Module]:
-        """``{attribute: module}`` of the frozen models to move next to the trained one."""
+        """``{attribute: module}`` of the frozen models to move next to the trained one; the reward models of a list
+        of rewards are ``"reward_model.<index>"``."""
         modules = {"ref_model": self.ref_model} if self.ref_model is not None else {}
         if isinstance(self.reward_model, nn.Module):
             modules["reward_model"] = self.reward_model
+        elif isinstance(self.reward_model, list):
+            modules.update(
+                {f"reward_model.{i}": r for i, r in enumerate(self.reward_model) if isinstance(r, nn.Module)}
+            )
         return modules
+
+    def _set_frozen_module(self, name: str, module: nn.Module) -> None:
+        attribute, _, index = name.partition(".")
+        if index:
+            getattr(self, attribute)[int(index)] = module
+        else:
+            setattr(self, name, module)
 
     def _place_frozen_models(self) -> None:
         """Put the frozen reference and reward model where ``frozen_models_placement`` says (see the module docs).
@@ -207,14 +225,14 @@ class FrozenModelsMixin:
             else:
                 module = _place(module, self.accelerator, placement, engine, name.replace("_", " "))
                 self.frozen_models_sharded |= placement == "sharded"
-            setattr(self, name, module)
+            self._set_frozen_module(name, module)
         device = self.accelerator.device
         if self.ref_model is not None:
             self.reference.model = self.ref_model
             self.reference.offload_device = device if "ref_model" in offloaded else None
-        self._reward_offload_device = device if "reward_model" in offloaded else None
-        if isinstance(self.reward_model, nn.Module):
-            self.reward_model.eval()
+        self._reward_offload_device = device if any(n.startswith("reward_model") for n in offloaded) else None
+        for module in self._reward_modules():
+            module.eval()
 
     def _offloaded_frozen_models(self) -> set[str]:
         """The attributes (``ref_model``, ``reward_model``) of the frozen models to keep on the CPU (``ref_offload``,
@@ -231,13 +249,13 @@ class FrozenModelsMixin:
                 "`offload_param: {device: cpu}` in the zero_optimization section of the DeepSpeed config instead."
             )
         frozen = self._frozen_modules()
-        for name in sorted(wanted - frozen.keys()):
+        for name in sorted(wanted - {n.partition(".")[0] for n in frozen}):
             logger.warning(
                 "%s=True does nothing here: there is no separate frozen %s to keep on the CPU (e.g. a reward function "
                 "or server, or a reference that is part of the trained model).", options[name],
                 name.replace("_", " "),
             )  # fmt: skip
-        wanted &= frozen.keys()
+        wanted = {name for name in frozen if name.partition(".")[0] in wanted}  # each reward model of a list
         for name in wanted:
-            check_offloadable(frozen[name], options[name])
+            check_offloadable(frozen[name], options[name.partition(".")[0]])
         return wanted

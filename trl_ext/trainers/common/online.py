@@ -31,6 +31,7 @@ from trl.trainer import disable_dropout_in_model
 
 from ...models.padding_free import check_padding_free
 from ...models.quantization import keep_4bit_layers_trainable
+from ...rollout.columns import ColumnCollator, reward_columns
 from ...rollout.compiled_decode import decode_compile_config
 from ...rollout.data import (
     PromptCollator,
@@ -42,6 +43,7 @@ from ...rollout.data import (
 )
 from ...rollout.fsdp import call_as_root_forward
 from ...rollout.generator import ReferencePolicy, RolloutGenerator, RolloutReward, SamplingSettings, generate_responses
+from ...rollout.reward_list import reward_members
 from ...rollout.sampling import row_keys
 from ...rollout.vision import (
     VisionPromptCollator,
@@ -61,6 +63,8 @@ from .metrics import log_completions_table, print_completions_table
 from .model_card import CompleteModelCard, write_text_atomically
 from .resume import VerifiedResumeMixin
 from .reward_norm import RunningMoments
+from .reward_setup import check_reward_arguments, resolve_reward_argument
+from .run_summary import RunSummaryMixin
 from .vllm_setup import build_vllm_engine
 
 __all__ = ["OnlineTrainerMixin", "evaluates_with_ema", "forked_rng", "hub_push_errors"]
@@ -123,7 +127,7 @@ def hub_push_errors(trainer, creating: bool = False) -> Iterator[None]:
 
 
 class OnlineTrainerMixin(
-    FiniteStepsMixin, CompleteModelCard, VerifiedResumeMixin, CpuFsdpMixin, FrozenModelsMixin, abc.ABC
+    RunSummaryMixin, FiniteStepsMixin, CompleteModelCard, VerifiedResumeMixin, CpuFsdpMixin, FrozenModelsMixin, abc.ABC
 ):
     """Setup, data, resume and save steps shared by the online trainers (see the module docs)."""
 
@@ -133,9 +137,12 @@ class OnlineTrainerMixin(
     """What :meth:`save_model` writes, for its warning when ZeRO-3 weights cannot be gathered."""
 
     # ------------------------------------------------------------------------------------------------ setup
-    def _begin_setup(self, args, processing_class, train_dataset, reward_model, eval_dataset=None) -> None:
+    def _begin_setup(
+        self, args, processing_class, train_dataset, reward_model, eval_dataset=None, reward_funcs=None
+    ) -> None:
         """First step of a constructor: check what every online trainer needs (before any model work: an empty
-        dataset is refused here), set ``self.tokenizer`` and
+        dataset is refused here), set ``self.reward_model`` (``reward_model`` or ``reward_funcs``, one reward or a
+        list, `reward_setup.resolve_reward_argument`), ``self.tokenizer`` and
         ``self.stop_token_id``, and seed (as `Trainer` does for ``model_init``) so that weights created while building
         the models (a value head, a modulation, LoRA adapters) are reproducible from ``args.seed``.
 
@@ -148,8 +155,7 @@ class OnlineTrainerMixin(
         needs = "It must hold the prompts to sample responses for, in a 'prompt' or an 'input_ids' column."
         check_not_empty(train_dataset, "train_dataset", trainer=type(self).__name__, needs=needs)
         check_not_empty(eval_dataset, "eval_dataset", trainer=type(self).__name__, needs=needs)
-        if reward_model is None:
-            raise ValueError("`reward_model` is required (a reward model, a reward function, a callable or a URL).")
+        reward_model = resolve_reward_argument(reward_model, reward_funcs, type(self).__name__)
         if args.load_best_model_at_end:
             raise ValueError(
                 f"load_best_model_at_end is not supported by {type(self).__name__} (there is no eval loss)."
@@ -174,8 +180,9 @@ class OnlineTrainerMixin(
     @staticmethod
     def _disable_dropout(*modules) -> None:
         for module in modules:
-            if isinstance(module, nn.Module):
-                disable_dropout_in_model(module)
+            for member in module if isinstance(module, list) else [module]:  # a list of rewards
+                if isinstance(member, nn.Module):
+                    disable_dropout_in_model(member)
 
     def _load_models(self, **models):
         """The ``models`` (``name=value``) with every one given as a string (a folder or Hub id) loaded as a causal
@@ -203,7 +210,10 @@ class OnlineTrainerMixin(
         (:func:`~trl_ext.rollout.vision.prepare_vision_dataset`) and ``self.vision_spec`` is set (``None``
         otherwise); a trainer that passes no ``model`` takes no images."""
         self.vision_spec = vision_setup(self._processing_class, model, train_dataset, trainer=type(self).__name__)
-        check_reward_images(self.vision_spec, self.reward_model, args.reward_uses_images)
+        for reward in reward_members(self.reward_model):
+            check_reward_images(self.vision_spec, reward, args.reward_uses_images)
+        image_column = self.vision_spec.image_column if self.vision_spec is not None else None
+        check_reward_arguments(type(self).__name__, self.reward_model, args, train_dataset, eval_dataset, image_column)
         prepare = self._prepare_prompts
         train_dataset = prepare(train_dataset, "train_dataset", args.dataset_num_proc)
         if isinstance(eval_dataset, dict):
@@ -215,25 +225,30 @@ class OnlineTrainerMixin(
         return train_dataset, eval_dataset
 
     def _prepare_prompts(self, dataset, name: str, num_proc: int | None = None):
+        """The prompts tokenised (or templated, with images), with their reward columns (`rollout.columns`)."""
         spec = check_dataset_images(self.vision_spec, dataset, name)
         if spec is None:
-            return prepare_prompt_dataset(dataset, self.tokenizer, num_proc=num_proc, name=name)
-        return prepare_vision_dataset(dataset, self._processing_class, spec.image_column, num_proc=num_proc, name=name)
+            return prepare_prompt_dataset(dataset, self.tokenizer, num_proc=num_proc, name=name, keep_columns=True)
+        keep = reward_columns(dataset, exclude=(spec.image_column,))
+        return prepare_vision_dataset(
+            dataset, self._processing_class, spec.image_column, num_proc=num_proc, name=name, keep=keep
+        )
 
-    def _default_collator(self):
-        """Left-padded prompts; with images, the processor's batch and its image inputs (``vision``)."""
+    def _default_collator(self, collator=None):
+        """``collator`` (default: left-padded prompts; with images, the processor's batch and its image inputs,
+        ``vision``) with the rows' reward columns passed around it (:class:`ColumnCollator`)."""
         spec = self.vision_spec
-        if spec is not None:
-            return VisionPromptCollator(self._processing_class, spec)
-        return PromptCollator(self.tokenizer.pad_token_id)
+        if collator is None and spec is not None:
+            collator = VisionPromptCollator(self._processing_class, spec)
+        collator = collator if collator is not None else PromptCollator(self.tokenizer.pad_token_id)
+        return ColumnCollator(collator, exclude=(spec.image_column,) if spec is not None else ())
 
     def _init_trainer(self, model: nn.Module, tagged: nn.Module, args, data_collator=None, **kwargs) -> None:
         """`Trainer.__init__` on the trained module ``model`` (default collator: left-padded prompts), with the model
         card tags on ``tagged``; then place the frozen models (``frozen_models_placement``, `frozen.py`)."""
         if hasattr(tagged, "add_model_tags"):
             tagged.add_model_tags(self._tag_names)
-        if data_collator is None:
-            data_collator = self._default_collator()
+        data_collator = self._default_collator(data_collator)
         keep_4bit_layers_trainable(model)  # a QLoRA policy/critic alternates eval-mode sampling and training
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
         self._place_frozen_models()
@@ -285,8 +300,9 @@ class OnlineTrainerMixin(
         of :meth:`_build_vllm`, if any); ``kwargs`` (e.g. ``policy_of``) are passed on. ``reference=None``: rollouts
         score no reference (see :attr:`kl_is_off`)."""
         args = self.args
-        if getattr(reward, "model", None) is not None and reward.model is self.reward_model:  # reward_offload
-            reward.offload_device = getattr(self, "_reward_offload_device", None)
+        for part in getattr(reward, "parts", [reward]):  # reward_offload (the reward models of a list too)
+            if getattr(part, "model", None) is not None and any(part.model is m for m in self._reward_modules()):
+                part.offload_device = getattr(self, "_reward_offload_device", None)
         return RolloutGenerator(
             self._sampling, reward, reference,
             forward_batch_size=args.local_rollout_forward_batch_size, accelerator=self.accelerator,
@@ -557,17 +573,18 @@ class OnlineTrainerMixin(
     # ---------------------------------------------------------------------------------------- sample tables
     @torch.no_grad()
     def _completion_rows(
-        self, ids: torch.Tensor, mask: torch.Tensor, settings: SamplingSettings, column: str, vision=None
+        self, ids: torch.Tensor, mask: torch.Tensor, settings: SamplingSettings, column: str, vision=None, columns=None
     ):
         """One response per left-padded prompt of the model being trained (sampled with ``settings``), scored by the
-        reward: rows ``{"query", column, "score"}``. ``vision``: the prompts' image inputs."""
+        reward: rows ``{"query", column, "score"}``. ``vision``: the prompts' image inputs; ``columns``: their
+        reward columns (`rollout.columns`)."""
         generator = self.rollout_generator
         with generator.generation_model(self.model_wrapped) as policy:
             responses, response_mask, _ = call_as_root_forward(
                 self.accelerator.unwrap_model(self.model), generate_responses, policy, ids, mask, settings,
                 self.args.local_rollout_forward_batch_size, vision=vision,
             )  # fmt: skip
-        scores = generator.reward(ids, mask, responses, response_mask, vision)
+        scores = generator.reward(ids, mask, responses, response_mask, vision, columns=columns)
         prompts = self.tokenizer.batch_decode([r[m != 0] for r, m in zip(ids, mask)], skip_special_tokens=True)
         texts = self.tokenizer.batch_decode([r[m != 0] for r, m in zip(responses, response_mask)])
         return [{"query": p, column: t, "score": s} for p, t, s in zip(prompts, texts, scores.tolist())]

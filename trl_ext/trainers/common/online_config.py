@@ -15,8 +15,9 @@ Every check raises ``ValueError("<ConfigClass>: <what is wrong and what to chang
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from trl.trainer.base_config import _BaseConfig
@@ -81,6 +82,7 @@ class OnlineConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
             What a NaN or ±inf reward does: `"error"` stops with an error naming the prompt and the completion;
             `"drop"` (PPOTrainer only) gives those samples zero weight (masked out of every loss; counted in
             `objective/nonfinite_rewards`).
+        {reward_options}
 
         > Parameters that control non-finite steps
 
@@ -169,6 +171,13 @@ class OnlineConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
             "twist losses and the 'rloo' baseline need >= 2."
         },
     )
+    num_generations: int | None = field(
+        default=None,
+        metadata={
+            "help": "TRL GRPO's name of num_samples_per_prompt: when set, num_samples_per_prompt takes its value "
+            "(both set to different values is an error) and it reads None afterwards."
+        },
+    )
     local_rollout_forward_batch_size: int = field(
         default=64, metadata={"help": "Rows per generation call and per no-grad scoring pass (per process)."}
     )
@@ -220,6 +229,14 @@ class OnlineConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
         metadata={
             "help": "Penalty subtracted from the score when the model fails to generate an EOS (stop) token. Useful "
             "to encourage completions shorter than `response_length`. Must be >= 0."
+        },
+    )
+    reward_weights: list[float] | None = field(
+        default=None,
+        metadata={
+            "help": "One weight per reward function when the reward is a list (reward_model=[f, g, ...] or "
+            "reward_funcs=, as in TRL's GRPO): the score is sum_i w_i * r_i; each function's values are logged as "
+            "rewards/<name>/mean and /std. None: every weight 1."
         },
     )
     reward_uses_images: bool = field(
@@ -304,6 +321,7 @@ class OnlineConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
         default_bf16_off_without_gpu(self)
         if self.activation_checkpointing is None and self.gradient_checkpointing is None:
             self.activation_checkpointing = True  # TRL's configs default to checkpointing on
+        self._resolve_num_generations()
         self._validate()
         super().__post_init__()
 
@@ -335,11 +353,40 @@ class OnlineConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
         if self.missing_eos_penalty is not None and self.missing_eos_penalty < 0:
             fail(f"missing_eos_penalty={self.missing_eos_penalty} must be >= 0 (it is subtracted from the score).")
         self._check_choice("nonfinite_rewards", NONFINITE_REWARD_OPTIONS)
+        self._validate_reward_weights()
         self._validate_frozen_placement()
         if self.compile_generation and getattr(self, "use_vllm", False):
             fail("compile_generation=True compiles model.generate's decode step; with use_vllm=True vLLM samples "
                  "(and compiles its own graphs). Set one of them to False.")  # fmt: skip
         self._validate_ema()
+
+    def _resolve_num_generations(self) -> None:
+        """``num_generations`` (TRL's GRPO name) → ``num_samples_per_prompt``; then ``None``, so that a copy of the
+        config (``dataclasses.replace``) that changes ``num_samples_per_prompt`` is not contradicted by it."""
+        if self.num_generations is None:
+            return
+        default = next(f.default for f in fields(self) if f.name == "num_samples_per_prompt")
+        if self.num_samples_per_prompt not in (default, self.num_generations):
+            self._fail(
+                f"num_generations={self.num_generations} and num_samples_per_prompt={self.num_samples_per_prompt} "
+                "disagree: num_generations is TRL's name of num_samples_per_prompt; set only one of them."
+            )
+        self.num_samples_per_prompt, self.num_generations = self.num_generations, None
+
+    def _validate_reward_weights(self) -> None:
+        weights = self.reward_weights
+        if weights is None:
+            return
+        try:
+            ok = len(weights) > 0 and all(math.isfinite(float(w)) for w in weights)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            self._fail(
+                f"reward_weights={weights!r}: give a non-empty list of finite numbers, one per reward function "
+                "(e.g. [1.0, 0.5]), or None for every weight 1."
+            )
+        self.reward_weights = [float(w) for w in weights]
 
     def _validate_frozen_placement(self) -> None:
         self._check_choice("frozen_models_placement", FROZEN_MODEL_PLACEMENTS)

@@ -4,14 +4,15 @@ like its entries) where one goes, and the class decorator :func:`document_shared
 - ``{rollout_options}``: the rollout-speed options of the online configs (:data:`ROLLOUT_OPTIONS_DOC`);
 - ``{frozen_models_options}``: where PPO's, RePULSe's and the proposal trainer's frozen models are kept
   (:data:`FROZEN_MODELS_DOC`);
-- ``{resume_options}``: `ResumeConfigMixin`'s option, in every config that resumes (:data:`RESUME_DOC`).
+- ``{resume_options}``: `ResumeConfigMixin`'s option, in every config that resumes (:data:`RESUME_DOC`);
+- ``{reward_options}``: the GRPO-style reward options of the online configs (:data:`REWARD_OPTIONS_DOC`).
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["FROZEN_MODELS_DOC", "RESUME_DOC", "ROLLOUT_OPTIONS_DOC", "document_shared_options"]
+__all__ = ["FROZEN_MODELS_DOC", "RESUME_DOC", "REWARD_OPTIONS_DOC", "ROLLOUT_OPTIONS_DOC", "document_shared_options"]
 
 ROLLOUT_OPTIONS_DOC = """\
         padding_free (`bool`, *optional*, defaults to `False`):
@@ -65,17 +66,30 @@ RESUME_DOC = """\
 
 """
 
+REWARD_OPTIONS_DOC = """\
+        reward_weights (`list[float]`, *optional*):
+            One weight per reward function when the reward is a list (`reward_model=[f, g, ...]`, or `reward_funcs=`
+            as in TRL's GRPO): the score is `Σ_i w_i · r_i`, and each function's unweighted values are logged as
+            `rewards/<name>/mean` and `rewards/<name>/std`. `None`: every weight 1. A count that differs from the
+            number of functions is refused when the trainer is built.
+        num_generations (`int`, *optional*):
+            TRL's GRPO name of `num_samples_per_prompt`: when set, `num_samples_per_prompt` takes its value (both set
+            to different values is an error) and it reads `None` afterwards.
+"""
+
 _SHARED_DOCS = {
     "rollout_options": ROLLOUT_OPTIONS_DOC,
     "frozen_models_options": FROZEN_MODELS_DOC,
     "resume_options": RESUME_DOC,
+    "reward_options": REWARD_OPTIONS_DOC,
 }
 
 
 def document_shared_options(cls):
-    """Class decorator: replace each line ``{rollout_options}``, ``{frozen_models_options}`` and
-    ``{resume_options}`` of ``cls.__doc__`` with :data:`ROLLOUT_OPTIONS_DOC`, :data:`FROZEN_MODELS_DOC` and
-    :data:`RESUME_DOC`, so that options shared by several configs are documented once."""
+    """Class decorator: replace each line ``{rollout_options}``, ``{frozen_models_options}``, ``{resume_options}`` and
+    ``{reward_options}`` of ``cls.__doc__`` with :data:`ROLLOUT_OPTIONS_DOC`, :data:`FROZEN_MODELS_DOC`,
+    :data:`RESUME_DOC` and :data:`REWARD_OPTIONS_DOC`, so that options shared by several configs are documented
+    once."""
     doc = cls.__doc__ or ""
     for name, text in _SHARED_DOCS.items():
         doc = doc.replace(f"        {{{name}}}\n", text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -148,6 +149,7 @@ class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, TwistTargetConfig):
         nonfinite_rewards (`str`, *optional*, defaults to `"error"`):
             What a NaN or ±inf reward does: `"error"` stops the run with an error naming the prompt and the
             completion. `"drop"` is refused here (the twist losses weigh a prompt's samples against each other).
+        {reward_options}
 
         > Parameters that control generation
 
@@ -206,7 +208,9 @@ class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, TwistTargetConfig):
             Processes used to tokenise the prompts.
         save_negdata (`str`, *optional*):
             Path of a JSONL file; every sampled response (policy or proposal) whose raw reward is below
-            `save_negdata_threshold` is appended as `{"prompt", "response", "reward", "step", "source"}`.
+            `save_negdata_threshold` is appended as `{"prompt", "response", "reward", "step", "source"}`. A relative
+            path is taken under `output_dir` (`"negdata.jsonl"`: `<output_dir>/negdata.jsonl`); an absolute one is
+            kept. The config holds the resolved, absolute path.
         save_negdata_threshold (`float`, *optional*, defaults to `-5.0`):
             Raw-reward threshold of `save_negdata`, also the threshold of the logged `p_bad`.
 
@@ -404,11 +408,21 @@ class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, TwistTargetConfig):
     # ---------------------------------------------------------------------------------------- data, logging
     save_negdata: str | None = field(
         default=None,
-        metadata={"help": "JSONL file collecting every sampled response whose raw reward < save_negdata_threshold."},
+        metadata={
+            "help": "JSONL file collecting every sampled response whose raw reward < save_negdata_threshold. A "
+            "relative path is under --output_dir (e.g. negdata.jsonl: <output_dir>/negdata.jsonl); an absolute one "
+            "is kept."
+        },
     )
     save_negdata_threshold: float = field(
         default=-5.0, metadata={"help": "Raw-reward threshold of save_negdata and of the logged p_bad."}
     )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.save_negdata:  # relative: under output_dir (absolute, so that a second __post_init__ keeps it)
+            path = os.path.expanduser(self.save_negdata)
+            self.save_negdata = os.path.abspath(path if os.path.isabs(path) else os.path.join(self.output_dir, path))
 
     # ------------------------------------------------------------------------------------------- derived
     @property

@@ -36,13 +36,13 @@ from ...losses import LossOutput, get_loss_spec
 from ...losses.weights import ORIGINAL_INDICATOR_THRESHOLD
 from ...ops import kl_estimate, masked_sum
 from ...rewards import log_target_weight
+from ...rollout.columns import rollout_inputs
 from ...rollout.data import left_padded
 from ...rollout.fsdp import call_as_root_forward
 from ...rollout.generator import (
     ReferencePolicy,
     Rollout,
     RolloutGenerator,
-    RolloutReward,
     forward_response,
     rollout_logprobs,
 )
@@ -52,6 +52,7 @@ from ...utils import eval_mode
 from ..common.metrics import PPOMetrics
 from ..common.online import OnlineTrainerMixin
 from ..common.ptx import build_ptx
+from ..common.reward_setup import build_reward
 from ..proposal.twist_step import TwistLossOutput, twist_loss
 from .harmlessness_config import HarmlessnessConfig
 from .io import HarmlessnessTrainerIO
@@ -84,8 +85,10 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
             id is loaded with `trl_ext.models.load_causal_lm` defaults (so are ``proposal_model`` and ``ref_model``).
         reward_model: a reward model sharing the tokenizer (scored on token ids), a ``(model, tokenizer)`` pair, a
             `RewardFunction` (e.g. `trl_ext.rewards.LexicalReward`), a callable ``(prompts, completions) ->
-            scores`` or a reward-server URL. Higher = better.
-        train_dataset: prompts, in a ``prompt`` column (text or chat messages) or an ``input_ids`` column.
+            scores`` (``trl.rewards`` too) or a reward-server URL; or a list of them, summed with ``reward_weights``
+            (``reward_funcs=`` is the same argument, GRPO's name). Higher = better.
+        train_dataset: prompts, in a ``prompt`` column (text or chat messages) or an ``input_ids`` column; its other
+            columns reach reward functions as keyword lists (for the policy's and the proposal's samples).
         proposal_model: the proposal ``q_ξ`` (trained). `None`: a copy of the initial ``model``. Unused (and
             ignored with a warning) with ``loss_type="reinforce"`` or ``use_base_as_proposal=True``.
         ref_model: the frozen ``p_0`` of the KL penalty. `None`: a frozen copy of the initial ``model``, or under
@@ -131,8 +134,8 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         args: HarmlessnessConfig,
         processing_class,
         model: nn.Module | str,
-        reward_model,
-        train_dataset,
+        reward_model=None,
+        train_dataset=None,
         proposal_model: nn.Module | str | None = None,
         ref_model: nn.Module | str | None = None,
         eval_dataset=None,
@@ -141,19 +144,20 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         optimizers: tuple = (None, None),
         peft_config=None,
         pretrain_dataset=None,
+        reward_funcs=None,
     ) -> None:
         if isinstance(eval_dataset, dict):
             raise ValueError(
                 "HarmlessnessTrainer evaluates one eval_dataset; pass a single prompt dataset (not a dict of them)."
             )
-        self._begin_setup(args, processing_class, train_dataset, reward_model, eval_dataset)
+        self._begin_setup(args, processing_class, train_dataset, reward_model, eval_dataset, reward_funcs)
         model, proposal_model, ref_model = self._load_models(
             model=model, proposal_model=proposal_model, ref_model=ref_model
         )
         policy, proposal, reference = build_harmlessness_models(args, model, proposal_model, ref_model, peft_config)
         if args.disable_dropout:
-            self._disable_dropout(policy, proposal, reference.model, reward_model)
-        self.ref_model, self.reward_model, self.reference = reference.model, reward_model, reference
+            self._disable_dropout(policy, proposal, reference.model, self.reward_model)
+        self.ref_model, self.reference = reference.model, reference
 
         train_dataset, eval_dataset = self._prepare_datasets(args, train_dataset, eval_dataset, model=policy)
         check_vision_models(self.vision_spec, proposal_model=proposal, ref_model=reference.model)
@@ -173,7 +177,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         self._sampling = self._sampling_settings(args)
         # One engine for p and q: each one's weights are loaded before its samples (docs/vllm.md).
         self._build_vllm([m for m in (policy, proposal) if m is not None], always_sync=True)
-        reward = RolloutReward(self.reward_model, self.tokenizer, uses_images=args.reward_uses_images)
+        reward = build_reward(self.reward_model, self.tokenizer, args)
         # kl_coef == 0 (not adaptive): p_0 is not scored (its only use besides the metrics is the KL term)
         self._generators = {"policy": self._generator(reward, None if self.kl_is_off else self.reference)}
         if proposal is not None:  # the proposal's "reference" is the current policy: its target's base
@@ -200,7 +204,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         self._micro_step: int | None = None  # micro-steps so far (keys the rows' streams with seed_per_row)
 
     # ------------------------------------------------------------------------------------------------ setup
-    def _generator(self, reward: RolloutReward, reference: ReferencePolicy | None) -> RolloutGenerator:
+    def _generator(self, reward, reference: ReferencePolicy | None) -> RolloutGenerator:
         return self._rollout_generator(reward, reference, policy_of=lambda m: m.acting_model())
 
     @property
@@ -270,12 +274,12 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
             inputs["input_ids"], inputs.get("attention_mask"), self.tokenizer.pad_token_id
         )
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-        vision = {"vision": inputs["vision"].to(device)} if inputs.get("vision") is not None else {}
+        extras = rollout_inputs(inputs, device)  # images, reward columns
         scale = 1.0 / self.current_gradient_accumulation_steps
         self._timings = {"proposal_step": 0.0, "policy_step": 0.0}
         for extra in range(args.q_steps_per_p_step - 1):
-            self._proposal_only_step(model, prompt_ids, prompt_mask, **vision, stream=2 + extra)
-        rollouts = self.rollout(model, prompt_ids, prompt_mask, **vision)
+            self._proposal_only_step(model, prompt_ids, prompt_mask, **extras, stream=2 + extra)
+        rollouts = self.rollout(model, prompt_ids, prompt_mask, **extras)
         self._update_policy_reward_normalizer(rollouts.policy)
         rewards = self.compute_rewards(rollouts)
         self._save_negative_data(rollouts)
@@ -313,10 +317,10 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         if micro_steps:
             self.kl_controller.update(kl_sum / micro_steps, samples)
 
-    def _proposal_only_step(self, model: nn.Module, prompt_ids, prompt_mask, vision=None, stream: int = 2) -> None:
+    def _proposal_only_step(self, model, prompt_ids, prompt_mask, vision=None, stream: int = 2, columns=None) -> None:
         """An extra proposal update on fresh proposal samples (``q_steps_per_p_step > 1``; no accumulation);
         ``stream``: the samples' stream with ``seed_per_row``."""
-        rollout = self._sample("proposal", model, prompt_ids, prompt_mask, vision, stream=stream)
+        rollout = self._sample("proposal", model, prompt_ids, prompt_mask, vision, stream=stream, columns=columns)
         log_phi = self._target_log_phi(rollout.scores)
         if self._negdata is not None:
             self._negdata.add(rollout, rollout.scores, step=self.state.global_step, source="proposal")
@@ -423,23 +427,23 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         return rollout_logprobs(model, rollout, self.args.local_rollout_forward_batch_size, self.args.temperature)
 
     # ------------------------------------------------------------------------------------------ public hooks
-    def _sample(self, part: str, model: nn.Module, prompt_ids, prompt_mask, vision=None, stream=None) -> Rollout:
-        """``part``'s samples; with ``seed_per_row`` from the rows' own streams (:meth:`rollout_row_keys`: stream 0
-        for the policy, 1 for the proposal, ``stream`` when given) keyed by the micro-step."""
+    def _sample(self, part: str, model, prompt_ids, prompt_mask, vision=None, stream=None, columns=None) -> Rollout:
+        """``part``'s samples (scored with the prompts' reward ``columns``); with ``seed_per_row`` from the rows' own
+        streams (:meth:`rollout_row_keys`: 0: the policy, 1: the proposal, or ``stream``) keyed by the micro-step."""
         stream = stream if stream is not None else {"policy": 0, "proposal": 1}[part]
         keys = self.rollout_row_keys(prompt_ids.shape[0], self._micro_step or 0, stream)
         with self._wrapper.acting_as(part):
-            return self._generators[part](model, prompt_ids, prompt_mask, vision=vision, row_keys=keys)
+            return self._generators[part](model, prompt_ids, prompt_mask, vision, keys, columns)
 
-    def rollout(self, model: nn.Module, prompt_ids, prompt_mask, vision=None) -> HarmlessnessRollouts:
+    def rollout(self, model: nn.Module, prompt_ids, prompt_mask, vision=None, columns=None) -> HarmlessnessRollouts:
         """Sample ``num_samples_per_prompt`` responses per left-padded prompt from the policy (scored by the
         reward, reference ``p_0``) and, when a proposal is trained, from the proposal (reference: the current
-        policy). Both sample in eval mode; ``vision``: the prompts' image inputs (passed only with images).
-        Override to change how experience is collected."""
-        policy = self._sample("policy", model, prompt_ids, prompt_mask, vision)
+        policy). Both sample in eval mode; ``vision``: the prompts' image inputs, ``columns``: their reward columns
+        (each passed only when there are some). Override to change how experience is collected."""
+        policy = self._sample("policy", model, prompt_ids, prompt_mask, vision, columns=columns)
         proposal = None
         if self.proposal is not None:
-            proposal = self._sample("proposal", model, prompt_ids, prompt_mask, vision)
+            proposal = self._sample("proposal", model, prompt_ids, prompt_mask, vision, columns=columns)
         rollouts = HarmlessnessRollouts(policy=policy, proposal=proposal)
         if self.args.negative_sampler == "smc":  # (image inputs are refused at construction)
             drawn = self.sample_negatives(prompt_ids, prompt_mask)

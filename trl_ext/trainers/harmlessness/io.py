@@ -17,9 +17,11 @@ import torch
 
 from ...losses import LossOutput
 from ...ops import kl_estimate, masked_sum
+from ...rollout.columns import COLUMNS_KEY
 from ...rollout.data import left_padded
 from ..common import checkpoint as ckpt
 from ..common.online import evaluates_with_ema, forked_rng
+from ..common.reward_setup import log_reward_components
 from .steps import HarmlessnessRollouts, step_metrics
 
 __all__ = ["HarmlessnessTrainerIO"]
@@ -85,7 +87,9 @@ class HarmlessnessTrainerIO:
             for index, batch in enumerate(loader):
                 ids, mask = left_padded(batch["input_ids"], batch.get("attention_mask"), self.tokenizer.pad_token_id)
                 with self.evaluation_row_keys(index):  # seed_per_row: the eval batches' own streams
-                    rollout = self._sample("policy", self.model_wrapped, ids, mask, batch.get("vision"))
+                    rollout = self._sample(
+                        "policy", self.model_wrapped, ids, mask, batch.get("vision"), columns=batch.get(COLUMNS_KEY)
+                    )
                 ref = rollout.ref_logprobs
                 if ref is None:  # kl_coef == 0: training rollouts skip p_0, evaluation still reports the KL
                     ref = self._reference_logprobs(rollout)
@@ -138,6 +142,9 @@ class HarmlessnessTrainerIO:
         for key, seconds in self._timings.items():
             self._metrics.add(f"timing/{key}", seconds)
         self._metrics.scalars.update(beta=self.beta, alpha=self.alpha)
+        log_reward_components(self._metrics, rollouts.policy, self.accelerator.gather)  # a list: rewards/<name>/*
+        if rollouts.proposal is not None:
+            log_reward_components(self._metrics, rollouts.proposal, self.accelerator.gather, "proposal/rewards/")
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add the metrics collected since the last log (and the proposal's learning rate) to `Trainer`'s logs."""

@@ -8,6 +8,7 @@ runs on `transformers.Trainer`, but the same names give the same things here.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 
 from torch.utils.data import DataLoader
@@ -15,7 +16,7 @@ from transformers import TrainerCallback
 
 from ...models.lora import is_peft_model
 
-__all__ = ["TRL112Attributes", "UpdateCadence"]
+__all__ = ["CountUpdates", "TRL112Attributes", "UpdateCadence", "update_columns"]
 
 
 class TRL112Attributes:
@@ -77,3 +78,80 @@ class UpdateCadence(TrainerCallback):
             steps = getattr(args, f"{kind}_steps", None)
             if steps is not None and steps >= 1 and factor > 1:
                 setattr(state, f"{kind}_steps", int(steps) * factor)
+
+
+def update_columns(global_step: int, optimizer_steps_per_update: int) -> dict[str, float]:
+    """The columns every PPO log row gets next to `Trainer`'s ``step`` (optimizer steps): ``update``, the PPO updates
+    done so far (TRL 1.12's step; a fraction when a row falls inside an update), and ``optimizer_step``."""
+    per = max(int(optimizer_steps_per_update), 1)
+    update = global_step // per if global_step % per == 0 else global_step / per
+    return {"update": update, "optimizer_step": global_step}
+
+
+class CountUpdates(TrainerCallback):
+    """Run a callback written for TRL ≤ 1.12's `PPOTrainer` on trl_ext's, where `Trainer` steps once per optimizer
+    step: ``CountUpdates(MyCallback())``.
+
+    The wrapped callback sees a copy of the state in which ``global_step``, ``max_steps``, ``logging_steps``,
+    ``eval_steps`` and ``save_steps`` count PPO updates (a rollout and all its ``num_ppo_epochs × num_mini_batches``
+    optimizer steps), as in 1.12; ``on_step_begin`` fires at the start of each update and ``on_step_end`` at its end
+    (once per update, not per optimizer step); ``on_substep_end`` and ``on_optimizer_step`` are not forwarded. Every
+    other event is forwarded as it comes. ``state.log_history`` is the real one (its rows carry an ``update``
+    column). The control flags the callback sets (stop training, save, log) act on the real run."""
+
+    def __init__(self, callback: TrainerCallback | type[TrainerCallback]):
+        self.callback = callback() if isinstance(callback, type) else callback
+
+    @staticmethod
+    def _per_update(args) -> int:
+        return max(int(getattr(args, "updates_per_rollout", 1) or 1), 1)
+
+    def _view(self, args, state):
+        per = self._per_update(args)
+        view = copy.copy(state)
+        view.global_step = state.global_step // per
+        view.max_steps = state.max_steps // per if state.max_steps else state.max_steps
+        for kind in ("logging_steps", "eval_steps", "save_steps"):
+            value = getattr(state, kind, None)
+            if isinstance(value, int) and value >= per:
+                setattr(view, kind, value // per)
+        return view
+
+    def _forward(self, event, args, state, control, **kwargs):
+        handler = getattr(self.callback, event, None)
+        if handler is None:
+            return None
+        return handler(args, self._view(args, state), control, **kwargs)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step % self._per_update(args) == 0:  # the first optimizer step of an update
+            return self._forward("on_step_begin", args, state, control, **kwargs)
+        return None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self._per_update(args) == 0:  # the last optimizer step of an update
+            return self._forward("on_step_end", args, state, control, **kwargs)
+        return None
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        return None
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        return None
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        return None
+
+
+def _forwarder(event: str):
+    def forward(self, args, state, control, **kwargs):
+        return self._forward(event, args, state, control, **kwargs)
+
+    forward.__name__ = event
+    return forward
+
+
+for _event in ("on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_evaluate",
+               "on_predict", "on_save", "on_log", "on_prediction_step", "on_push_begin"):  # fmt: skip
+    if hasattr(TrainerCallback, _event):
+        setattr(CountUpdates, _event, _forwarder(_event))

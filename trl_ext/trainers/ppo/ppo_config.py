@@ -89,6 +89,7 @@ class PPOConfig(VLLMConfigMixin, PtxConfigMixin, OnlineConfig):
         nonfinite_rewards (`str`, *optional*, defaults to `"error"`):
             A NaN/±inf reward: `"error"` stops with an error naming prompt and completion; `"drop"` gives the sample
             (its prompt group with the `"rloo"` baseline) zero weight, counted in `objective/nonfinite_rewards`.
+        {reward_options}
         kl_coef (`float`, *optional*, defaults to `0.05`):
             KL coefficient (the start value when `kl_target` is set). `0` without `kl_target`: rollouts skip the
             reference forward pass and `objective/kl`, `objective/kl_token_mean` are not logged.

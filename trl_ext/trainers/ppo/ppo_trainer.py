@@ -36,9 +36,10 @@ from ...ops import (
     masked_sum,
     masked_whiten,
 )
+from ...rollout.columns import COLUMNS_KEY, rollout_inputs
 from ...rollout.data import left_padded
 from ...rollout.finite import drop_rows, expand_to_groups
-from ...rollout.generator import Rollout, RolloutReward, forward_response
+from ...rollout.generator import Rollout, forward_response
 from ...rollout.vision import check_vision_critic, check_vision_models
 from ..common import checkpoint as ckpt
 from ..common.checks import load_model_argument, refuse_same_object
@@ -47,8 +48,9 @@ from ..common.manifest import naming_file
 from ..common.metrics import PPOMetrics, rollout_metrics
 from ..common.online import OnlineTrainerMixin, evaluates_with_ema, forked_rng
 from ..common.ptx import build_ptx
+from ..common.reward_setup import build_reward, log_reward_components
 from ..common.vllm_setup import importance_corrected_advantages
-from .compat import TRL112Attributes, UpdateCadence
+from .compat import TRL112Attributes, UpdateCadence, update_columns
 from .experience import (
     Experience,
     PPORewards,
@@ -80,10 +82,12 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
             (adapters disabled) under PEFT, otherwise a frozen copy of the initial policy. Must not be ``model``
             itself.
         reward_model: a reward model sharing the policy's tokenizer (scored on token ids, at the last real token),
-            or a ``(model, tokenizer)`` pair, a `RewardFunction`, a callable ``(prompts, completions) -> scores``,
-            a reward-server URL (scored on decoded text).
+            or a ``(model, tokenizer)`` pair, a `RewardFunction`, a callable ``(prompts, completions) -> scores``
+            (TRL's ``trl.rewards`` too), a reward-server URL (scored on decoded text); or a list of them, summed with
+            ``reward_weights`` (``reward_funcs=``, GRPO's name, is the same argument; see ``docs/rewards.md``).
         train_dataset: prompts, in a ``prompt`` column (text or chat messages) or an ``input_ids`` column; for a
-            vision-language policy ``prompt`` plus ``image`` (a PIL image or a path per row) or ``images``.
+            vision-language policy ``prompt`` plus ``image`` (a PIL image or a path per row) or ``images``. Its other
+            columns reach reward functions as keyword lists (e.g. ``solution`` for ``trl.rewards.accuracy_reward``).
         value_model: the critic (e.g. `AutoModelForSequenceClassification` with ``num_labels=1``, or a folder / Hub
             id loaded with `trl_ext.load_critic`); `None` with ``shared_actor_critic=True`` or a REINFORCE-type
             ``actor_loss_type``.
@@ -125,8 +129,8 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         processing_class,
         model: nn.Module | str,
         ref_model: nn.Module | str | None,
-        reward_model,
-        train_dataset,
+        reward_model=None,
+        train_dataset=None,
         value_model: nn.Module | str | None = None,
         data_collator=None,
         eval_dataset=None,
@@ -134,16 +138,15 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         callbacks: list | None = None,
         peft_config=None,
         pretrain_dataset=None,
+        reward_funcs=None,
     ) -> None:
         refuse_same_object(model, ref_model)
-        self._begin_setup(args, processing_class, train_dataset, reward_model, eval_dataset)
+        self._begin_setup(args, processing_class, train_dataset, reward_model, eval_dataset, reward_funcs)
         model, ref_model = self._load_models(model=model, ref_model=ref_model)
         value_model = load_model_argument(value_model, "value_model", loader=load_critic, trainer="PPOTrainer")
         policy, value_model, reference = build_ppo_models(args, model, ref_model, value_model, peft_config)
-        self._disable_dropout(policy, reference.model, value_model, reward_model)
-        self.policy_model, self.ref_model, self.value_model, self.reward_model = (
-            policy, reference.model, value_model, reward_model,
-        )  # fmt: skip
+        self._disable_dropout(policy, reference.model, value_model, self.reward_model)
+        self.policy_model, self.ref_model, self.value_model = policy, reference.model, value_model
         self.reference = reference
 
         train_dataset, eval_dataset = self._prepare_datasets(args, train_dataset, eval_dataset, model=policy)
@@ -174,7 +177,7 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         self._sampling = self._sampling_settings(args)
         self._build_vllm([policy])
         self.rollout_generator = self._rollout_generator(
-            RolloutReward(self.reward_model, self.tokenizer, uses_images=args.reward_uses_images),
+            build_reward(self.reward_model, self.tokenizer, args),
             None if self.kl_is_off else self.reference, policy_of=lambda m: m.policy, with_values=wrapper.has_critic,
         )  # fmt: skip
         self._metrics = PPOMetrics()
@@ -226,6 +229,9 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         self._resume_path = resume_from_checkpoint
         self._micro_step, self._experience = None, None
         self._train_start, self._episode_start = time.time(), None
+
+    def run_summary_unit(self) -> tuple[str, int]:
+        return "PPO update", self.args.updates_per_rollout  # the end-of-run table's "seconds per PPO update"
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # `Trainer`'s loader expects one weight file for the module it trains; PPO checkpoints keep the policy in HF
@@ -306,8 +312,8 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         )
         rollout_index = self._micro_step // self._micro_steps_per_rollout
         self._rollout_index = rollout_index  # keys the rows' random streams with seed_per_row (`rollout`)
-        vision = {"vision": inputs["vision"].to(device)} if inputs.get("vision") is not None else {}
-        rollout = self._drop_nonfinite(self.rollout(model, prompt_ids.to(device), prompt_mask.to(device), **vision))
+        extras = rollout_inputs(inputs, device)  # images, reward columns
+        rollout = self._drop_nonfinite(self.rollout(model, prompt_ids.to(device), prompt_mask.to(device), **extras))
         # normalize_reward: once per rollout, before its rewards (the dropped samples left out)
         self._update_reward_normalizer(rollout.scores, rollout.dropped)
         rewards = self.compute_rewards(rollout)
@@ -386,13 +392,14 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         return [counts[i // accumulation] for i in range(len(schedule))]
 
     # ------------------------------------------------------------------------------------------ public hooks
-    def rollout(self, model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, vision=None) -> Rollout:
+    def rollout(self, model: nn.Module, prompt_ids, prompt_mask, vision=None, columns=None) -> Rollout:
         """Sample ``num_samples_per_prompt`` responses per left-padded prompt and score them (see
-        :class:`~trl_ext.rollout.generator.RolloutGenerator`); ``vision``: the prompts' image inputs (passed only
-        with images). With ``seed_per_row`` each row samples from its own stream (:meth:`rollout_row_keys`). Override
-        to change how experience is collected."""
+        :class:`~trl_ext.rollout.generator.RolloutGenerator`); ``vision``: the prompts' image inputs, ``columns``:
+        their dataset columns for the reward functions (each passed only when there are some). With
+        ``seed_per_row`` each row samples from its own stream (:meth:`rollout_row_keys`). Override to change how
+        experience is collected."""
         keys = self.rollout_row_keys(prompt_ids.shape[0], getattr(self, "_rollout_index", 0))
-        return self.rollout_generator(model, prompt_ids, prompt_mask, vision=vision, row_keys=keys)
+        return self.rollout_generator(model, prompt_ids, prompt_mask, vision=vision, row_keys=keys, columns=columns)
 
     def score_mask(self, response_mask: torch.Tensor) -> torch.Tensor:
         """The positions the rewards (and, with a critic, the returns and the value loss) cover: the response mask,
@@ -542,6 +549,7 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
             rollout.contains_stop,
         )  # fmt: skip
         self._metrics.add_rollout(values, rollout.timings, int(rollout.response_mask.sum()), self.accelerator.gather)
+        log_reward_components(self._metrics, rollout, self.accelerator.gather)  # rewards/<name>/mean, std (lists)
         episode = (rollout_index + 1) * self.args.batch_size
         if self._episode_start is None:
             self._episode_start = rollout_index * self.args.batch_size
@@ -554,6 +562,7 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
             logs.update(self._metrics.pop(self._gather_object()))  # every process's metrics
             if "learning_rate" in logs:
                 logs["lr"] = logs["learning_rate"]
+        logs.update(update_columns(self.state.global_step, self.args.updates_per_rollout))
         super().log(logs, start_time)
 
     # ----------------------------------------------------------------------------------- samples & evaluation
@@ -571,8 +580,9 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         rows = []
         with forked_rng():
             for batch in self._eval_dataloader(dataset):
-                ids, mask, vision = batch["input_ids"], batch["attention_mask"], batch.get("vision")
-                rows += self._completion_rows(ids, mask, settings, "model response", vision=vision)
+                ids, mask, extra = batch["input_ids"], batch["attention_mask"], {"vision": batch.get("vision")}
+                extra["columns"] = batch.get(COLUMNS_KEY)  # the reward columns of the prompts
+                rows += self._completion_rows(ids, mask, settings, "model response", **extra)
                 if sampling:
                     break
         return self._publish_completions(rows, "PPO samples")

@@ -24,6 +24,7 @@ from ..common.model_card import CompleteModelCard
 from ..common.precision import default_bf16_off_without_gpu
 from ..common.resume import VerifiedResumeMixin
 from ..common.resume_config import ResumeConfigMixin
+from ..common.run_summary import RunSummaryMixin
 from ..common.shared_docs import document_shared_options
 from .checks import DPO_LOSS_TYPES, check_config, check_dpo_dataset
 from .common import (
@@ -173,7 +174,13 @@ def _fill_missing_chosen(dataset, name: str, extra: ExtraLoss | None, extra_only
 
 
 class DPOTrainer(
-    CompleteModelCard, ExtraLossLogging, FiniteStepsMixin, VerifiedResumeMixin, CpuFsdpMixin, trl.DPOTrainer
+    RunSummaryMixin,
+    CompleteModelCard,
+    ExtraLossLogging,
+    FiniteStepsMixin,
+    VerifiedResumeMixin,
+    CpuFsdpMixin,
+    trl.DPOTrainer,
 ):
     """`trl.DPOTrainer` with an optional extra loss from `trl_ext.losses` and support for rejected-only data.
 

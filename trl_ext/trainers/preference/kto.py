@@ -20,6 +20,7 @@ from ..common.model_card import CompleteModelCard
 from ..common.precision import default_bf16_off_without_gpu
 from ..common.resume import VerifiedResumeMixin
 from ..common.resume_config import ResumeConfigMixin
+from ..common.run_summary import RunSummaryMixin
 from ..common.shared_docs import document_shared_options
 from .checks import check_config, check_kto_dataset, kto_loss_types
 from .common import (
@@ -87,7 +88,13 @@ class KTOConfig(FiniteStepsArguments, ExtraLossArguments, ResumeConfigMixin, trl
 
 
 class KTOTrainer(
-    CompleteModelCard, ExtraLossLogging, FiniteStepsMixin, VerifiedResumeMixin, CpuFsdpMixin, trl.KTOTrainer
+    RunSummaryMixin,
+    CompleteModelCard,
+    ExtraLossLogging,
+    FiniteStepsMixin,
+    VerifiedResumeMixin,
+    CpuFsdpMixin,
+    trl.KTOTrainer,
 ):
     """`trl.KTOTrainer` with an optional extra loss on the undesirable rows.
 

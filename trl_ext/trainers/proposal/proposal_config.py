@@ -74,6 +74,7 @@ class ProposalConfig(VLLMConfigMixin, TwistTargetConfig):
         nonfinite_rewards (`str`, *optional*, defaults to `"error"`):
             What a NaN or ±inf reward does: `"error"` stops the run with an error naming the prompt and the
             completion. `"drop"` is refused here (the twist losses weigh a prompt's samples against each other).
+        {reward_options}
 
         > Parameters that control generation
 

@@ -34,13 +34,15 @@ from ...models.lora import adapters_disabled, reference_is_base_with_adapters_di
 from ...models.modulated import ModulatedCausalLM
 from ...models.modulated_utils import load_modulation_state_dict
 from ...models.twist import MODULATION_PARAMETERIZATIONS, modulation_kind_of
+from ...rollout.columns import COLUMNS_KEY, rollout_inputs
 from ...rollout.data import left_padded
 from ...rollout.fsdp import call_as_root_forward
-from ...rollout.generator import ReferencePolicy, Rollout, RolloutReward, generate_responses, supports_logits_to_keep
+from ...rollout.generator import ReferencePolicy, Rollout, generate_responses, supports_logits_to_keep
 from ..common import checkpoint as ckpt
 from ..common.checks import refuse_same_object
 from ..common.model_parts import add_adapters, shares_parameters
 from ..common.online import OnlineTrainerMixin, evaluates_with_ema, forked_rng
+from ..common.reward_setup import build_reward, log_reward_components
 from .metrics import ProposalMetrics, proposal_diagnostics
 from .proposal_config import ProposalConfig
 from .twist_step import TwistLossOutput, twist_loss, validate_twist_setup
@@ -86,8 +88,10 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
         ref_model: the frozen ``p_ref`` of the target. `None`: the modulated model's own base (``modulation_*``),
             the LoRA base with adapters disabled (``peft_config``), else a frozen copy of the initial ``model``.
         reward_model: a reward model sharing the tokenizer (scored at the last real token), or a ``(model,
-            tokenizer)`` pair, a `RewardFunction`, a callable ``(prompts, completions) -> scores`` or a URL.
-        train_dataset: prompts, in a ``prompt`` column (text or chat messages) or an ``input_ids`` column.
+            tokenizer)`` pair, a `RewardFunction`, a callable ``(prompts, completions) -> scores`` (``trl.rewards``
+            too) or a URL; or a list of them, summed with ``reward_weights`` (``reward_funcs=``: the same argument).
+        train_dataset: prompts, in a ``prompt`` column (text or chat messages) or an ``input_ids`` column; its other
+            columns reach reward functions as keyword lists.
         eval_dataset: prompts for :meth:`evaluate` (the ELBO / IWAE bound on held-out prompts) and sample tables.
         callbacks: extra `TrainerCallback` s.
         optimizers: ``(optimizer, scheduler)``; default: `Trainer`'s, over the trainable parameters of ``q``.
@@ -129,15 +133,16 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
         callbacks: list | None = None,
         optimizers: tuple = (None, None),
         peft_config=None,
+        reward_funcs=None,
     ) -> None:
         refuse_same_object(model, ref_model)
-        self._begin_setup(args, processing_class, train_dataset, reward_model, eval_dataset)
+        self._begin_setup(args, processing_class, train_dataset, reward_model, eval_dataset, reward_funcs)
         self._needs = validate_twist_setup(args.parameterization, args.loss_type)
         self.reward_shaping = args.reward_shaping()
         model, ref_model = self._load_models(model=model, ref_model=ref_model)
         model, self.reference = self._build_models(args, model, ref_model, peft_config)
-        self.ref_model, self.reward_model = self.reference.model, reward_model
-        self._disable_dropout(model, self.ref_model, reward_model)
+        self.ref_model = self.reference.model
+        self._disable_dropout(model, self.ref_model, self.reward_model)
 
         train_dataset, eval_dataset = self._prepare_datasets(args, train_dataset, eval_dataset)
         self._check_prompts_fit(args, model, train_dataset, eval_dataset)
@@ -157,7 +162,7 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
         )  # fmt: skip
         self._sampling = self._sampling_settings(args)
         self._build_vllm([model])
-        reward = RolloutReward(self.reward_model, self.tokenizer)
+        reward = build_reward(self.reward_model, self.tokenizer, args)
         self.rollout_generator = self._rollout_generator(reward, self.reference)
         self._metrics = ProposalMetrics()
         self._micro_step: int | None = None
@@ -277,7 +282,7 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
             inputs["input_ids"], inputs.get("attention_mask"), self.tokenizer.pad_token_id
         )
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-        rollout = self.rollout(model, prompt_ids, prompt_mask)
+        rollout = self.rollout(model, prompt_ids, prompt_mask, **rollout_inputs(inputs, device))  # reward columns
         rewards = self.compute_rewards(rollout)
         batch = {
             "input_ids": rollout.input_ids,
@@ -314,13 +319,14 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
         }
 
     # ------------------------------------------------------------------------------------------ public hooks
-    def rollout(self, model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Rollout:
+    def rollout(self, model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, columns=None) -> Rollout:
         """Sample ``num_samples_per_prompt`` responses of ``q`` per left-padded prompt and score them: ``q``'s and
         ``p_ref``'s log-probs (eval mode, no grad) and the raw rewards (see
-        :class:`~trl_ext.rollout.generator.RolloutGenerator`). With ``seed_per_row`` each row samples from its own
-        stream, keyed by the micro-step (:meth:`rollout_row_keys`). Override to change how samples are collected."""
+        :class:`~trl_ext.rollout.generator.RolloutGenerator`; ``columns``: the prompts' reward columns, passed only
+        when there are some). With ``seed_per_row`` each row samples from its own stream, keyed by the micro-step
+        (:meth:`rollout_row_keys`). Override to change how samples are collected."""
         keys = self.rollout_row_keys(prompt_ids.shape[0], self._micro_step or 0)
-        return self.rollout_generator(model, prompt_ids, prompt_mask, row_keys=keys)
+        return self.rollout_generator(model, prompt_ids, prompt_mask, row_keys=keys, columns=columns)
 
     def compute_rewards(self, rollout: Rollout) -> ProposalRewards:
         """Raw scores (``missing_eos_penalty`` already subtracted) → ``(R, log φ = β·R)`` with the config's
@@ -377,6 +383,7 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
         values["mapped_reward"] = rewards.rewards.float().mean()
         values["response_length"] = rollout.response_mask.float().sum(-1).mean()
         self._metrics.add_many(values, "proposal/", self.accelerator.gather)
+        log_reward_components(self._metrics, rollout, self.accelerator.gather)  # a list: rewards/<name>/mean, std
         generation = rollout.timings.get("generation", 0.0)
         self._metrics.add("timing/generation", generation)
         self._metrics.add("timing/scoring", rollout.timings.get("scoring", 0.0))
@@ -407,7 +414,7 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
         with forked_rng():
             batch = next(iter(loader))
             ids, mask = left_padded(batch["input_ids"], batch["attention_mask"], self.tokenizer.pad_token_id)
-            rows = self._completion_rows(ids, mask, settings, "proposal response")
+            rows = self._completion_rows(ids, mask, settings, "proposal response", columns=batch.get(COLUMNS_KEY))
         return self._publish_completions(rows, "Proposal samples")
 
     @torch.no_grad()
@@ -426,7 +433,7 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
             for index, batch in enumerate(loader if loader is not None else []):
                 ids, mask = left_padded(batch["input_ids"], batch["attention_mask"], self.tokenizer.pad_token_id)
                 with self.evaluation_row_keys(index):  # seed_per_row: the eval batches' own streams
-                    rollout = self.rollout(self.model_wrapped, ids, mask)
+                    rollout = self.rollout(self.model_wrapped, ids, mask, **rollout_inputs(batch, ids.device))
                 rewards = self.compute_rewards(rollout)
                 values = proposal_diagnostics(
                     rollout.logprobs, rollout.ref_logprobs, rewards.log_phi, rollout.response_mask,

@@ -1,0 +1,58 @@
+"""Jailbreak a policy with BEAST (beam-search suffixes sampled from the model) and measure the attack success rate
+before and after.
+
+    python recipes/eval_beast.py --model_name_or_path my-policy --behaviors_csv examples/behaviors_toy.csv \\
+        --reward_model_path my-rm --success_criterion reward --threshold -4 --output_path outputs/beast.json
+    python recipes/eval_beast.py --config my_beast.yaml              # the same options from a YAML file
+    python recipes/eval_beast.py --help                              # every option
+
+BEAST (Sadasivan et al. 2024) grows the suffix token by token: each of `--beam_width` beams samples `--candidates`
+distinct next tokens from the model itself (`--attack_temperature`, `--attack_top_p`), every candidate is scored
+by the target's negative log-likelihood, and the best `--beam_width` are kept until `--suffix_length` tokens. The
+evaluation, success criteria and JSON report are those of `recipes/eval_gcg.py` (see
+`trl_ext.eval.attacks.eval_beast`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl_ext import cli
+from trl_ext.eval.attacks import cli as attack_cli
+from trl_ext.eval.attacks import eval_beast
+
+
+@dataclass
+class BeastArguments:
+    """BEAST's options."""
+
+    beam_width: int = field(default=15, metadata={"help": "k1: beams kept per step."})
+    candidates: int = field(default=15, metadata={"help": "k2: distinct next tokens sampled per beam and step."})
+    suffix_length: int = field(default=40, metadata={"help": "Suffix tokens at the end of the search."})
+    tokens_per_step: int = field(default=1, metadata={"help": "Tokens appended per candidate and step."})
+    attack_temperature: float = field(default=1.0, metadata={"help": "Temperature of the suffix-token sampling."})
+    attack_top_p: float = field(default=1.0, metadata={"help": "Top-p of the suffix-token sampling."})
+    batch_size: int = field(default=64, metadata={"help": "Candidates per forward pass."})
+
+
+def main(args: attack_cli.AttackScriptArguments, beast_args: BeastArguments) -> dict:
+    """Load the model, the goals and the reward, run the evaluation, write and return the report."""
+    behaviors = attack_cli.load_behaviors(args)
+    model, tokenizer = attack_cli.load_model_and_tokenizer(args)
+    reward = attack_cli.load_reward(args, tokenizer)
+    report = eval_beast(
+        model, tokenizer, behaviors, reward=reward, **attack_cli.eval_kwargs(args, "beast"), **vars(beast_args)
+    )
+    print(attack_cli.summary(report))
+    return report
+
+
+def make_parser():
+    """The recipe's argument parser (`--config file.yaml` supported)."""
+    return cli.make_parser(
+        (attack_cli.AttackScriptArguments, BeastArguments), "Evaluate a policy against BEAST jailbreak suffixes."
+    )
+
+
+if __name__ == "__main__":
+    main(*make_parser().parse_args_and_config())
