@@ -319,6 +319,7 @@ def plot_frontiers(initial, summaries, path: str, axis: str, metric: str = "p_ba
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 6))
+    ax.set_prop_cycle(color=plt.cm.tab20.colors)  # more settings than tab10 has colours
     for name, runs in _group(summaries).items():
         color = None
         for s in runs:
