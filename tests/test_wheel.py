@@ -77,6 +77,7 @@ def test_installed_command_helps_and_trains(installed, tiny_workdir):
     usage = _run(["trl-ext", "--help"], tiny_workdir, env).stdout
     assert "repulse" in usage and "deepspeed_zero2" in usage
     helped = _run(["trl-ext", "ppo", "--help"], tiny_workdir, env).stdout
+    assert helped.startswith("usage: trl-ext ppo ")
     for option in ("--model_name_or_path", "--reward_model_path", "--num_ppo_epochs", "--config"):
         assert option in helped
     # the documented tiny run, with the YAML from the repository's examples (the inputs are in tiny_workdir)

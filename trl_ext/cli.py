@@ -94,8 +94,10 @@ class RecipeParser(TrlParser):
 
 def make_parser(dataclass_types: tuple, description: str) -> TrlParser:
     """A recipe's argument parser over ``dataclass_types`` (``--config file.yaml`` supported, see
-    :class:`RecipeParser`)."""
-    return RecipeParser(dataclass_types, description=description, epilog=_EPILOG)
+    :class:`RecipeParser`). Run by the ``trl-ext`` command, its usage line names that command."""
+    command = os.environ.get("TRL_EXT_COMMAND")
+    prog = {"prog": f"trl-ext {command}"} if command else {}
+    return RecipeParser(dataclass_types, description=description, epilog=_EPILOG, **prog)
 
 
 def given_options(argv: list[str] | None = None) -> set[str]:

@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch, "-m", module, *rest]
         return subprocess.call(cmd)
     sys.argv = [f"trl-ext {command}", *rest]
+    os.environ["TRL_EXT_COMMAND"] = command  # the recipe's usage line says `trl-ext <command>`
     runpy.run_module(module, run_name="__main__", alter_sys=True)
     return 0
 
