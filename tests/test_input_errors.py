@@ -274,3 +274,51 @@ def test_a_misspelt_yaml_key_names_the_closest_option(tmp_path):
     parser = make_parser((PPOConfig,), "test")
     with pytest.raises(ValueError, match=r"'response_lenght' \(did you mean 'response_length'\?\).*--help"):
         parser.parse_args_and_config(["--config", str(config)])
+
+
+# ------------------------------------------------------------------------------------- signs and ranges (issue 34)
+@pytest.mark.parametrize(
+    "cls, options, match",
+    [
+        (DPOConfig, {"beta": -0.1}, "beta=-0.1; it must be a positive number"),
+        (DPOConfig, {"beta": 0.0}, "beta=0.0; it must be a positive number"),
+        (KTOConfig, {"beta": -1.0}, "beta=-1.0"),
+        (KTOConfig, {"desirable_weight": -1.0}, "desirable_weight=-1.0; it must be a number >= 0"),
+        (KTOConfig, {"desirable_weight": 0.0, "undesirable_weight": 0.0}, "both 0"),
+        (DPOConfig, {"learning_rate": -1e-5}, "learning_rate=-1e-05; it must be a finite number >= 0"),
+        (KTOConfig, {"learning_rate": float("nan")}, "learning_rate=nan"),
+        (PPOConfig, {"learning_rate": -1e-5}, "learning_rate=-1e-05"),
+        (ProposalConfig, {"learning_rate": float("inf")}, "learning_rate=inf"),
+        (HarmlessnessConfig, {"proposal_learning_rate": -1.0}, "proposal_learning_rate=-1.0"),
+    ],
+)
+def test_configs_refuse_wrong_signs_before_any_model_loads(cls, options, match, tmp_path):
+    """A negative DPO/KTO beta trained towards the rejected answers while logging accuracies of 1.0; a negative
+    learning rate failed in torch after the models had loaded. Both are now refused when the config is built."""
+    with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)")):
+        cls(output_dir=str(tmp_path), report_to="none", **options)
+
+
+def test_sensible_signs_still_pass(tmp_path):
+    assert DPOConfig(output_dir=str(tmp_path), report_to="none", beta=0.5, learning_rate=0.0).beta == 0.5
+    kto = KTOConfig(output_dir=str(tmp_path), report_to="none", desirable_weight=0.0, undesirable_weight=1.0)
+    assert (kto.desirable_weight, kto.undesirable_weight) == (0.0, 1.0)  # one class alone is a choice, not an error
+
+
+def test_a_yaml_key_set_twice_is_an_error_naming_both_lines(tmp_path):
+    """YAML keeps the last of two equal keys silently (a second `model_name_or_path` once loaded the reward model as
+    the policy); the recipes' parser refuses it, and a syntax error names the file and line."""
+    from trl_ext.cli import make_parser
+
+    config = tmp_path / "ppo.yaml"
+    config.write_text(f"output_dir: {tmp_path}\nresponse_length: 8\nlearning_rate: 1.0e-5\nresponse_length: 16\n")
+    parser = make_parser((PPOConfig,), "test")
+    twice = r"ppo.yaml: line 4: the key 'response_length' is set twice \(first on line 2\)"
+    with pytest.raises(ValueError, match=twice):
+        parser.parse_args_and_config(["--config", str(config)])
+    config.write_text(f"output_dir: {tmp_path}\nresponse_length: [8\n")
+    with pytest.raises(ValueError, match=r"ppo.yaml: line \d+, column \d+: not valid YAML"):
+        parser.parse_args_and_config(["--config", str(config)])
+    config.write_text(f"output_dir: {tmp_path}\nresponse_length: 8\n")  # the same file without the repeat parses
+    (args,) = parser.parse_args_and_config(["--config", str(config), "--report_to", "none"])
+    assert args.response_length == 8

@@ -17,6 +17,7 @@ a recipe imports them however it is launched):
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 
 from trl import ModelConfig, ScriptArguments, TrlParser
@@ -61,9 +62,50 @@ _EPILOG = (
 )
 
 
+def check_config_file(path: str) -> dict:
+    """Read a recipe's ``--config`` YAML strictly: a syntax error names the file and line, and a key set twice is an
+    error (YAML itself keeps the last value silently: a repeated ``model_name_or_path`` once loaded the reward model
+    as the policy). Returns the mapping."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                line = key_node.start_mark.line + 1
+                if key in seen:
+                    raise ValueError(
+                        f"{path}: line {line}: the key {key!r} is set twice (first on line {seen[key]}); YAML would "
+                        "keep the last value without a word. Remove one of them."
+                    )
+                seen[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"The --config file {path!r} does not exist (relative paths start at {os.getcwd()}).")
+    with open(path, encoding="utf-8") as f:
+        try:
+            config = yaml.load(f, Loader=StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+        except yaml.MarkedYAMLError as err:
+            mark = err.problem_mark or err.context_mark
+            where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
+            raise ValueError(f"{path}: {where}: not valid YAML ({err.problem or err.context}).") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"The --config file {path} must hold a YAML mapping (option: value lines).")
+    return config
+
+
 class RecipeParser(TrlParser):
     """`TrlParser` whose ``--config`` YAML keys may be any spelling of an option (its aliases, dashes) and must name
-    one: TRL's parser silently drops unknown keys, so a typo in a config file went unnoticed."""
+    one: TRL's parser silently drops unknown keys, so a typo in a config file went unnoticed. The file is read
+    strictly first (:func:`check_config_file`: duplicate keys and syntax errors name the file and line)."""
+
+    def parse_args_and_config(self, args=None, *more, **kwargs):
+        listed = list(sys.argv[1:] if args is None else args)
+        if "--config" in listed and listed.index("--config") + 1 < len(listed):
+            check_config_file(listed[listed.index("--config") + 1])
+        return super().parse_args_and_config(listed, *more, **kwargs)
 
     def set_defaults_with_config(self, **kwargs) -> list[str]:
         import difflib

@@ -28,7 +28,13 @@ import torch
 from torch import nn
 from torch.nn.utils import get_total_norm
 
-__all__ = ["FiniteStepsArguments", "FiniteStepsMixin", "check_finite_weights", "grads_are_finite"]
+__all__ = [
+    "FiniteStepsArguments",
+    "FiniteStepsMixin",
+    "check_finite_weights",
+    "check_learning_rates",
+    "grads_are_finite",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +55,7 @@ class FiniteStepsArguments:
     )
 
     def __post_init__(self):
+        check_learning_rates(self)
         value = self.max_consecutive_skipped_steps
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(
@@ -56,6 +63,21 @@ class FiniteStepsArguments:
                 "of non-finite optimizer steps in a row that are skipped before the run stops; 0: stop at once)."
             )
         super().__post_init__()
+
+
+def check_learning_rates(config) -> None:
+    """Refuse a negative or non-finite ``learning_rate`` (and the online trainers' other learning rates) when the
+    config is built, before any model loads; torch's own error would come after the models load and leave an empty
+    ``output_dir``. Every trl_ext config runs it (through :class:`FiniteStepsArguments`)."""
+    for key in ("learning_rate", "proposal_learning_rate"):
+        value = getattr(config, key, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+            raise ValueError(
+                f"{type(config).__name__}: {key}={value!r}; it must be a finite number >= 0 (e.g. 1e-5): a negative "
+                "learning rate climbs the loss instead of descending it."
+            )
 
 
 def grads_are_finite(params) -> bool:

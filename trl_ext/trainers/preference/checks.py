@@ -2,8 +2,9 @@
 with a message that says what to change (TRL's own errors for these are ``StopIteration``, ``KeyError: 'chosen'`` or
 ``unsupported operand type(s) for +: 'int' and 'str'`` from deep inside its dataset preparation).
 
-- :func:`check_config`: lengths ``<= 0`` and unknown ``loss_type`` names (listing the valid ones); called by the
-  configs' ``__post_init__``.
+- :func:`check_config`: lengths ``<= 0``, unknown ``loss_type`` names (listing the valid ones), ``beta <= 0`` and
+  negative KTO weights (a negative ``beta`` trains towards the rejected answers while ``rewards/accuracies`` still
+  reads 1.0; ``beta = 0`` trains nothing); called by the configs' ``__post_init__``, before any model loads.
 - :func:`check_dpo_dataset`, :func:`check_kto_dataset`: empty datasets, missing columns, KTO labels that are not
   booleans, conversational rows with a tokenizer that has no chat template; called by the trainers before TRL's
   ``__init__``.
@@ -34,8 +35,24 @@ def kto_loss_types() -> tuple[str, ...]:
 
 
 def check_config(config, loss_types: tuple[str, ...]) -> None:
-    """Refuse length limits ``<= 0`` and ``loss_type`` names outside ``loss_types`` (a string or a list of them)."""
+    """Refuse length limits ``<= 0``, ``loss_type`` names outside ``loss_types`` (a string or a list of them), a
+    ``beta`` that is not a positive finite number and negative (or all-zero) KTO class weights."""
     name = type(config).__name__
+    beta = getattr(config, "beta", None)
+    if beta is not None and not (isinstance(beta, (int, float)) and 0 < beta < float("inf")):
+        raise ValueError(
+            f"{name}: beta={beta!r}; it must be a positive number (e.g. 0.1). beta scales the implicit reward "
+            "log(π/π_ref): a negative beta trains towards the rejected answers, 0 trains nothing."
+        )
+    weights = {k: getattr(config, k) for k in ("desirable_weight", "undesirable_weight") if hasattr(config, k)}
+    for key, value in weights.items():
+        if not (isinstance(value, (int, float)) and 0 <= value < float("inf")):
+            raise ValueError(
+                f"{name}: {key}={value!r}; it must be a number >= 0 (the weight of that class's examples in the loss; "
+                "a negative weight pushes them the wrong way)."
+            )
+    if weights and not any(weights.values()):
+        raise ValueError(f"{name}: desirable_weight and undesirable_weight are both 0: nothing would be trained.")
     for field_name in _LENGTH_FIELDS:
         value = getattr(config, field_name, None)
         if value is not None and value <= 0:
