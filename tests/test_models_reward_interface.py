@@ -7,6 +7,7 @@ import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import numpy as np
 import pytest
 import torch
 
@@ -66,6 +67,18 @@ def test_callable_reward_converts_and_validates():
         CallableReward(lambda p, c: ["a", "b", "c"])(PROMPTS, COMPLETIONS)
     with pytest.raises(TypeError, match="expected a list of floats"):
         CallableReward(lambda p, c: 3.0)(PROMPTS, COMPLETIONS)
+    # issue 34: a dict used to fail with "could not convert string to float"; strings of digits and booleans were
+    # read as scores without a word
+    with pytest.raises(TypeError, match=r"returned a dict with keys \['score'\]"):
+        CallableReward(lambda p, c: {"score": [1.0, 2.0, 3.0]})(PROMPTS, COMPLETIONS)
+    with pytest.raises(TypeError, match=r"not numbers \(row, type\): \[\(0, 'str'\), \(1, 'str'\)\]"):
+        CallableReward(lambda p, c: ["1.0", "2", 3.0])(PROMPTS, COMPLETIONS)
+    with pytest.raises(TypeError, match=r"\(1, 'bool'\)"):
+        CallableReward(lambda p, c: [1.0, True, 0.0])(PROMPTS, COMPLETIONS)
+    with pytest.raises(TypeError, match="torch.bool tensor"):
+        CallableReward(lambda p, c: torch.tensor([True, False, True]))(PROMPTS, COMPLETIONS)
+    mixed = CallableReward(lambda p, c: [1, np.float32(2.5), torch.tensor(3.0)])(PROMPTS, COMPLETIONS)
+    assert mixed.tolist() == [1.0, 2.5, 3.0]  # ints, NumPy and one-element tensors are numbers
     with pytest.raises(ValueError, match="3 prompts but 2 completions"):
         reward(PROMPTS, COMPLETIONS[:2])
     with pytest.raises(TypeError, match="needs a callable"):

@@ -51,11 +51,34 @@ __all__ = [
 ]
 
 
+def _is_real_number(value: Any) -> bool:
+    """An int or float (Python, NumPy or a one-element real tensor), not a bool and not a string."""
+    import numbers
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and value.dtype != torch.bool and not value.is_complex()
+    dtype = getattr(value, "dtype", None)  # NumPy scalars
+    if dtype is not None and getattr(dtype, "kind", "") == "b":
+        return False
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _to_reward_tensor(values: Any, expected: int, source: str) -> torch.Tensor:
     """Check and convert ``values`` to a float32 CPU tensor of shape ``(expected,)``."""
     if isinstance(values, torch.Tensor):
+        if values.dtype == torch.bool or values.is_complex():
+            raise TypeError(
+                f"{source} returned a {values.dtype} tensor; return one real number per completion (e.g. "
+                "`scores.float()` if True should mean 1.0)."
+            )
         tensor = values.detach().to("cpu", torch.float32)
     else:
+        if isinstance(values, (dict, str, bytes)):
+            keys = f" with keys {list(values)[:5]}" if isinstance(values, dict) else ""
+            raise TypeError(
+                f"{source} returned a {type(values).__name__}{keys}; it must return one number per completion (a "
+                "list of floats or a tensor): pick the score out of it in the function."
+            )
         try:
             items = list(values)
         except TypeError:
@@ -68,10 +91,13 @@ def _to_reward_tensor(values: Any, expected: int, source: str) -> torch.Tensor:
                 f"{source} returned None for rows {rows} (TRL's 'not applicable'): trl_ext trains on one number per "
                 "completion; wrap the function to map None to a reward (e.g. 0.0 or a penalty)."
             )
-        try:
-            tensor = torch.as_tensor([float(v) for v in items], dtype=torch.float32)
-        except (TypeError, ValueError) as err:
-            raise TypeError(f"{source} returned values that are not numbers: {err}") from None
+        wrong = [(i, type(v).__name__) for i, v in enumerate(items) if not _is_real_number(v)][:5]
+        if wrong:
+            raise TypeError(
+                f"{source} returned values that are not numbers (row, type): {wrong}; return one float per "
+                "completion (strings and booleans are not read as scores: convert them in the function)."
+            )
+        tensor = torch.as_tensor([float(v) for v in items], dtype=torch.float32)
     if tensor.dim() == 2 and tensor.shape[-1] == 1:
         tensor = tensor[:, 0]
     if tensor.dim() != 1 or tensor.shape[0] != expected:
