@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from trl import ModelConfig, ScriptArguments, TrlParser
 
-from .config_files import check_config_file
+from .data.config_files import check_config_file
 from .data.mixture import (
     STOPPING_STRATEGIES,
     apply_input_template,
