@@ -22,6 +22,7 @@ from test_ppo_trainer import make_trainer, ppo_args
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from trl_ext.testing.mock_hub import MockHub, use_hub
+from trl_ext.trainers.common.run_folder import RUN_LOCK_NAME
 
 PPO_REPO = "user/tiny-ppo"
 
@@ -169,4 +170,4 @@ def test_harmlessness_push_uploads_the_proposal_only_when_asked(hub, tmp_path, p
     assert any(name.startswith("proposal/") for name in files) is push_proposal
     assert {"trl-ext", "repulse", "harmlessness"} <= set(card_tags(hub.repo(repo_id).files["README.md"].decode()))
     assert (tmp_path / "out" / "proposal" / "model.safetensors").is_file()  # kept locally either way
-    assert not any(p.name.startswith("_") for p in (tmp_path / "out").iterdir())
+    assert not any(p.name.startswith("_") and p.name != RUN_LOCK_NAME for p in (tmp_path / "out").iterdir())

@@ -35,6 +35,7 @@ from torch import nn
 
 from ...models.lora import is_peft_model
 from .manifest import MANIFEST_NAME, CheckpointIntegrityError, naming_file, verify_manifest
+from .run_folder import explain_disk_full, remove_stale_stages, stage_prefix
 
 __all__ = [
     "KL_CONTROLLER_NAME",
@@ -81,7 +82,7 @@ def _move_into(stage: str, target: str) -> None:
     for name in os.listdir(stage):
         src, dst = os.path.join(stage, name), os.path.join(target, name)
         if os.path.isdir(src) and os.path.exists(dst):
-            old = f"{dst}.old-{os.getpid()}"
+            old = f"{dst}.trl-ext-old-{os.getpid()}"
             os.replace(dst, old)
             os.replace(src, dst)
             shutil.rmtree(old, ignore_errors=True)
@@ -109,19 +110,21 @@ def _save_two_models(
     tokenizer and ``extra_files`` in a hidden folder of ``output_dir``, then rename them into place. A
     ``state_dict`` of the wrapper (keys ``policy.*`` / ``<second_dir>.*``) replaces the models' own weights."""
     os.makedirs(output_dir, exist_ok=True)
+    remove_stale_stages(output_dir)
     stage = tempfile.mkdtemp(prefix=stage_prefix, dir=output_dir)
     try:
-        _save_pretrained(policy, stage, _split_state_dict(state_dict, "policy."))
-        if second is not None:
-            path = os.path.join(stage, second_dir)
-            _save_pretrained(second, path, _split_state_dict(state_dict, f"{second_dir}."))
-            if processing_class is not None and tokenizer_with_second:
-                processing_class.save_pretrained(path)
-        if processing_class is not None:
-            processing_class.save_pretrained(stage)
-        for name, obj in (extra_files or {}).items():
-            torch.save(obj, os.path.join(stage, name))
-        _move_into(stage, output_dir)
+        with explain_disk_full(output_dir):
+            _save_pretrained(policy, stage, _split_state_dict(state_dict, "policy."))
+            if second is not None:
+                path = os.path.join(stage, second_dir)
+                _save_pretrained(second, path, _split_state_dict(state_dict, f"{second_dir}."))
+                if processing_class is not None and tokenizer_with_second:
+                    processing_class.save_pretrained(path)
+            if processing_class is not None:
+                processing_class.save_pretrained(stage)
+            for name, obj in (extra_files or {}).items():
+                torch.save(obj, os.path.join(stage, name))
+            _move_into(stage, output_dir)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
 
@@ -148,7 +151,7 @@ def save_policy_and_value(
     """
     _save_two_models(
         policy, value_model, VALUE_MODEL_DIR, output_dir, state_dict=state_dict, processing_class=processing_class,
-        extra_files=extra_files, tokenizer_with_second=False, stage_prefix=".ppo-save-",
+        extra_files=extra_files, tokenizer_with_second=False, stage_prefix=stage_prefix("ppo"),
     )  # fmt: skip
     logger.info(
         "Saved the policy to %s%s.", output_dir, f" and the value model to {VALUE_MODEL_DIR}/" if value_model else ""
@@ -371,7 +374,7 @@ def save_policy_and_proposal(
     """
     _save_two_models(
         policy, proposal, PROPOSAL_DIR, output_dir, state_dict=state_dict, processing_class=processing_class,
-        extra_files=extra_files, tokenizer_with_second=True, stage_prefix=".repulse-save-",
+        extra_files=extra_files, tokenizer_with_second=True, stage_prefix=stage_prefix("repulse"),
     )  # fmt: skip
     logger.info("Saved the policy to %s%s.", output_dir, f" and the proposal to {PROPOSAL_DIR}/" if proposal else "")
 

@@ -28,6 +28,8 @@ import torch
 from torch import nn
 from torch.nn.utils import get_total_norm
 
+from .run_folder import explain_disk_full
+
 __all__ = [
     "FiniteStepsArguments",
     "FiniteStepsMixin",
@@ -234,6 +236,8 @@ class FiniteStepsMixin:
         check_finite_weights(model, state_dict, what=f"{type(self).__name__}'s model")
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """`Trainer.save_model` after :meth:`check_finite_weights` (a model with NaN/inf weights is not saved)."""
+        """`Trainer.save_model` after :meth:`check_finite_weights` (a model with NaN/inf weights is not saved); a full
+        disk is reported with the folder and its free space."""
         self.check_finite_weights()
-        super().save_model(output_dir, _internal_call)
+        with explain_disk_full(output_dir if output_dir is not None else self.args.output_dir):
+            super().save_model(output_dir, _internal_call)

@@ -41,6 +41,7 @@ __all__ = [
     "MANIFEST_NAME",
     "CheckpointIntegrityError",
     "ManifestCallback",
+    "check_finite_weight_files",
     "check_rng_states",
     "naming_file",
     "read_manifest",
@@ -239,8 +240,47 @@ def naming_file(path: str, what: str) -> Iterator[None]:
     except Exception as err:  # noqa: BLE001 - any loader error: add the file's name, keep the cause
         raise CheckpointIntegrityError(
             f"Could not load {what} from {path}: {type(err).__name__}: {str(err).rstrip('. ')}. If the file is "
-            "damaged (truncated or overwritten), resume from an earlier checkpoint."
+            "damaged (truncated or overwritten), resume from an earlier checkpoint; a checkpoint of another trainer "
+            "or model cannot be resumed here."
         ) from err
+
+
+def check_finite_weight_files(checkpoint_dir: str) -> None:
+    """Raise a :class:`CheckpointIntegrityError` naming the weight files (``*.safetensors``, ``*.bin``, sub-folders
+    included) of ``checkpoint_dir`` whose floating-point tensors hold NaN or ±inf.
+
+    The trainers never save such weights, so a checkpoint with a manifest needs no such check; one without a manifest
+    (older trl_ext, plain TRL, edited by hand) would otherwise resume, skip every step as non-finite and end in a
+    misleading "Training diverged". Reads every weight once (memory-mapped, one tensor at a time)."""
+    import torch
+    from safetensors import safe_open
+
+    bad: list[str] = []
+    for rel in _checkpoint_files(checkpoint_dir):
+        path = os.path.join(checkpoint_dir, rel)
+        if rel.endswith(".safetensors"):
+            with naming_file(path, "the weights"), safe_open(path, framework="pt") as f:
+                names = [n for n in f.keys() if not _finite(f.get_tensor(n))]
+        elif rel.endswith(".bin") and os.path.basename(rel).startswith(("pytorch_model", "adapter_model")):
+            with naming_file(path, "the weights"):
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            names = [n for n, t in state.items() if torch.is_tensor(t) and not _finite(t)]
+        else:
+            continue
+        bad += [f"{rel}: {n}" for n in names]
+    if bad:
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise CheckpointIntegrityError(
+            f"{checkpoint_dir} holds weights with NaN or inf ({'; '.join(bad[:5])}{more}); it has no {MANIFEST_NAME}, "
+            "so it was not written as it is by a trl_ext run. Resuming would skip every step as non-finite. Resume "
+            "from an earlier checkpoint, or start fresh."
+        )
+
+
+def _finite(tensor) -> bool:
+    import torch
+
+    return not (tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()))
 
 
 class ManifestCallback(TrainerCallback):

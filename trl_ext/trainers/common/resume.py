@@ -10,6 +10,12 @@
   broadcast, so every process resumes from the same folder or stops with the same message.
 - Loading: an error while `Trainer` loads the weights, the optimizer / scheduler or the RNG states names the folder
   and the files.
+- The output folder (`run_folder`): the main process locks ``output_dir`` for the trainer's lifetime (a second
+  process fails at once, naming the holder's PID), removes the temporary folders of killed saves, and refuses a fresh
+  run over another run's ``checkpoint-N`` folders unless ``overwrite_output_dir``. A checkpoint to resume from must
+  come from the same kind of trainer with the same settings (`run_record`, ``allow_config_change``); one without a
+  manifest gets its weights checked for NaN / inf before it is loaded.
+- Saving: a full disk gives an error that names the folder and the free space, and the partial checkpoint is removed.
 
 Put the mixin before TRL's trainer in the bases (``class KDTrainer(CompleteModelCard, VerifiedResumeMixin,
 SFTTrainer)``); `OnlineTrainerMixin` includes it.
@@ -21,7 +27,9 @@ import os
 import zipfile
 
 from . import checkpoint as ckpt
-from .manifest import ManifestCallback, check_rng_states, naming_file
+from .manifest import MANIFEST_NAME, ManifestCallback, check_finite_weight_files, check_rng_states, naming_file
+from .run_folder import check_fresh_output_dir, explain_disk_full, lock_output_dir, remove_stale_stages
+from .run_record import check_run_record, warn_if_run_finished, write_run_record
 
 __all__ = ["VerifiedResumeMixin"]
 
@@ -51,9 +59,7 @@ class VerifiedResumeMixin:
         path, error = None, None
         if self.accelerator.is_main_process:
             try:
-                path = ckpt.resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
-                if path is not None:
-                    check_rng_states(path, self.args.world_size, getattr(self.args, "allow_rng_reset", False))
+                path = self._check_output_dir_and_resume(resume_from_checkpoint)
             except Exception as err:  # noqa: BLE001 - passed to every process, so that none waits in the broadcast
                 error = err
         if self.accelerator.num_processes > 1:
@@ -64,6 +70,35 @@ class VerifiedResumeMixin:
             raise error
         self._verified_resume = path
         return path
+
+    def _check_output_dir_and_resume(self, resume_from_checkpoint: str | bool | None) -> str | None:
+        """On the main process: lock the output folder, clean it, and resolve and check the checkpoint."""
+        args = self.args
+        lock_output_dir(args.output_dir, owner=self)
+        remove_stale_stages(args.output_dir, checkpoints=True)
+        path = ckpt.resolve_resume_checkpoint(resume_from_checkpoint, args.output_dir)
+        if path is None:
+            check_fresh_output_dir(args.output_dir, getattr(args, "overwrite_output_dir", False))
+            return None
+        check_run_record(path, self, args, getattr(args, "allow_config_change", False))
+        check_rng_states(path, args.world_size, getattr(args, "allow_rng_reset", False))
+        if not os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+            check_finite_weight_files(path)
+        warn_if_run_finished(path)
+        return path
+
+    def _save_checkpoint(self, model, trial):
+        """`Trainer._save_checkpoint`, plus ``trl_ext_run.json`` (before `ManifestCallback` writes the manifest); a
+        full disk is reported with the folder and the free space, and the partial checkpoint removed."""
+        folder = os.path.join(self.args.output_dir, f"checkpoint-{self.state.global_step}")
+        partial = None if os.path.exists(folder) else folder
+        if self.args.should_save:
+            remove_stale_stages(self.args.output_dir)
+        with explain_disk_full(self.args.output_dir, partial if self.args.should_save else None):
+            result = super()._save_checkpoint(model, trial)
+            if self.args.should_save and os.path.isdir(folder):
+                write_run_record(folder, self, self.args)
+        return result
 
     # --------------------------------------------------------------- `Trainer`'s loaders, with the files named
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):

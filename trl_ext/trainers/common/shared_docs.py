@@ -63,6 +63,15 @@ RESUME_DOC = """\
             process) with fresh random-number generators, with a warning (the run then differs from an uninterrupted
             one). `False`: such a checkpoint is refused. Every checkpoint is checked against its
             `trl_ext_manifest.json` (size and SHA-256 of each file) before it is loaded.
+        allow_config_change (`bool`, *optional*, defaults to `False`):
+            Resume from a checkpoint whose `trl_ext_run.json` records other settings than this run's, with a warning
+            naming each one. `False`: refused with the settings that differ (old -> new). Where to write, logging,
+            saving, hub and length options (`max_steps`, `num_train_epochs`, `total_episodes`) may always change. A
+            checkpoint written by another trainer (a PPO checkpoint given to DPO) is always refused.
+        overwrite_output_dir (`bool`, *optional*, defaults to `False`):
+            A run that does not resume refuses an `output_dir` holding another run's `checkpoint-N` folders; `True`
+            deletes them first. A lock file (`_trl_ext_run.lock`, with the holder's PID) makes a second process that
+            trains into the same `output_dir` fail at once.
 
 """
 
