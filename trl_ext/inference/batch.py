@@ -56,7 +56,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -124,6 +124,8 @@ class BatchInferenceArguments:
 
         response_column, id_column, max_prompts
     """
+
+    url_options: ClassVar[tuple[str, ...]] = ("reward_model_path",)  # may be a reward server's URL
 
     output_file: str = field(
         default="outputs/batch_inference.jsonl",
