@@ -107,6 +107,14 @@ class StopAt(TrainerCallback):
         return control
 
 
+def placeholder_model_folders(workdir: Path, *folders: str) -> Path:
+    """Empty ``folders`` under ``workdir`` (e.g. ``outputs/tiny/policy``): enough for a test that only parses a
+    recipe's example YAML, whose model paths must exist (the recipes' parser refuses a missing local model folder)."""
+    for folder in folders:
+        (workdir / folder).mkdir(parents=True, exist_ok=True)
+    return workdir
+
+
 def logged(trainer, key) -> list[float]:
     """Every value of ``key`` in the trainer's log history, in order."""
     return [h[key] for h in trainer.state.log_history if key in h]

@@ -146,6 +146,34 @@ def test_options_are_checked(tmp_path, policy):
         run_batch_inference(dataset, args_for(tmp_path, id_column="id"), model=policy[0], tokenizer=policy[1])
 
 
+def test_max_new_tokens_past_the_context_is_refused_before_anything_is_written(policy, tmp_path):
+    """Issue 34: --max_new_tokens 600 on a 512-position model returned rc 0 with rows longer than the model can
+    attend to (60 of 64); the trainers refuse the same setting. Now: the trainers' check, before any file exists."""
+    model, tokenizer = policy
+    assert model.config.max_position_embeddings == 512
+    args = args_for(tmp_path, max_new_tokens=600)
+    with pytest.raises(
+        ValueError, match=r"with --max_new_tokens=600 new tokens .* the policy's context is 512"
+    ) as err:
+        run_batch_inference(kit.prompt_dataset(n=64), args, model=model, tokenizer=tokenizer)
+    assert "64 of 64 prompts do not fit" in str(err.value) and "Lower --max_new_tokens below 512" in str(err.value)
+    assert not os.path.exists(args.output_file) and not os.path.exists(metadata_path(args.output_file))
+
+
+def test_a_prompt_longer_than_the_context_is_refused_naming_the_limit(policy, tmp_path):
+    """Issue 34: a 2999-token prompt on a 512-position model was generated from (rc 0). Now it is refused, with the
+    prompt length the model allows for this --max_new_tokens."""
+    model, tokenizer = policy
+    long_prompt = " ".join(["the"] * 2998)  # 2999 tokens with the tiny tokenizer
+    assert len(tokenizer(long_prompt).input_ids) == 2999
+    dataset = Dataset.from_dict({"prompt": ["Hello there", long_prompt, "Good morning"]})
+    args = args_for(tmp_path, max_new_tokens=6)
+    with pytest.raises(ValueError, match=r"longest prompt has 2999 tokens") as err:
+        run_batch_inference(dataset, args, model=model, tokenizer=tokenizer)
+    assert "1 of 3 prompts do not fit" in str(err.value) and "at most 506 tokens" in str(err.value)
+    assert not os.path.exists(args.output_file)
+
+
 def test_vllm_backend_falls_back_to_hf_with_a_message(caplog):
     with caplog.at_level(logging.WARNING, logger="trl_ext.inference.generation"):
         assert resolve_backend("vllm") == "hf"  # no vLLM and no GPU here

@@ -31,7 +31,6 @@ the processes do not draw the same random numbers.
 from __future__ import annotations
 
 import collections
-import json
 import time
 from pathlib import Path
 
@@ -49,6 +48,8 @@ from distributed_helpers import (
     write_distinct_prompts,
 )
 from online_helpers import EXAMPLES, RECIPES, build_tiny_inputs
+
+from trl_ext.rollout.negdata import read_negative_data
 
 DEFAULT_CELLS = {
     ("ppo", "fsdp2"),
@@ -159,8 +160,7 @@ def test_frozen_models_placement(name, engine, placement, workdir, one_process_r
 
 # ------------------------------------------------------------------------------------------- rank-dependent parts
 def _negative_rows(output_dir: Path) -> list[dict]:
-    with open(output_dir / "negdata.jsonl", encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
+    return read_negative_data(str(output_dir / "negdata.jsonl"))  # without the header (its run id differs per run)
 
 
 def check_negative_data(one: Path, two: Path) -> None:

@@ -13,7 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from online_helpers import ACCELERATE_CONFIGS, EXAMPLES, RECIPES, accelerate_launch, load_script, run
+from online_helpers import (
+    ACCELERATE_CONFIGS,
+    EXAMPLES,
+    RECIPES,
+    accelerate_launch,
+    load_script,
+    placeholder_model_folders,
+    run,
+)
 
 from trl_ext import testing as kit
 
@@ -61,7 +69,8 @@ def test_recipe_help_lists_the_options(recipe):
     assert ("--desirable_data_path" in text) is (recipe == KTO_RECIPE)
 
 
-def test_yaml_values_are_overridden_by_flags(tmp_path):
+def test_yaml_values_are_overridden_by_flags(tmp_path, monkeypatch):
+    monkeypatch.chdir(placeholder_model_folders(tmp_path, "outputs/tiny/policy"))
     module = load_script(DPO_RECIPE)
     script_args, training_args, model_args = module.make_parser().parse_args_and_config(
         ["--config", str(DPO_YAML), "--output_dir", str(tmp_path), "--extra_loss", "unlikelihood"]

@@ -7,6 +7,7 @@ Tolerances are stated where used; runs are deterministic on CPU (same seed → s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -29,7 +30,7 @@ from trl_ext import HarmlessnessConfig, HarmlessnessTrainer
 from trl_ext.eval import bad_output_probability
 from trl_ext.models import RewardFunction
 from trl_ext.rewards import LexicalReward
-from trl_ext.rollout.negdata import read_negative_data
+from trl_ext.rollout.negdata import read_negative_data, read_negative_data_header
 from trl_ext.trainers import forward_response
 from trl_ext.trainers.harmlessness.steps import HarmlessnessRollouts
 
@@ -274,6 +275,80 @@ def test_save_negdata_writes_every_bad_sample_as_json_lines(tmp_path):
     assert policy_rows == round(sum(logged(trainer, "p_bad")) * 16)
     with open(path) as f:  # plain JSON, one object per line
         assert all(isinstance(json.loads(line), dict) for line in f)
+
+
+def _negdata_args(tmp_path, out: str, path, **kwargs):
+    defaults = dict(max_steps=2, num_samples_per_prompt=16, save_negdata=str(path))
+    args = toy_args(tmp_path, **{**defaults, **kwargs})
+    return dataclasses.replace(args, output_dir=str(tmp_path / out))
+
+
+def test_negdata_file_starts_with_a_header_naming_the_run(tmp_path):
+    path = tmp_path / "negdata.jsonl"
+    trainer = toy_trainer(_negdata_args(tmp_path, "run", path))
+    trainer.train()
+    with open(path, encoding="utf-8") as f:
+        lines = [json.loads(line) for line in f]
+    header = lines[0]["trl_ext_negdata"]
+    assert header["format"] == "trl_ext.negdata" and header["version"] == 1
+    assert header["run_id"] == trainer._negdata.run_id and len(header["run_id"]) == 32
+    assert header["output_dir"] == str(tmp_path / "run")
+    assert header["config"]["save_negdata_threshold"] == -0.5 and header["config"]["seed"] == 0
+    assert read_negative_data_header(str(path)) == header
+    assert read_negative_data(str(path)) == lines[1:] and all("trl_ext_negdata" not in row for row in lines[1:])
+
+
+def test_a_second_run_does_not_append_to_the_first_runs_negdata_file(tmp_path):
+    """Issue 34: a second run appended to the first run's file (8 -> 18 rows in the report, 5 -> 10 here), with
+    nothing to tell the runs apart. Now the second run stops before training, naming the first run; the file is kept
+    as it was."""
+    path = tmp_path / "negdata.jsonl"
+    toy_trainer(_negdata_args(tmp_path, "run", path)).train()
+    before = path.read_bytes()
+    first = read_negative_data_header(str(path))["run_id"]
+    second = toy_trainer(_negdata_args(tmp_path, "run", path))
+    with pytest.raises(ValueError, match=rf"holds the negative samples of another run \(run id {first}.*this run is "
+                       r"a new run .*Set save_negdata to another path, or delete"):  # fmt: skip
+        second.train()
+    assert path.read_bytes() == before
+    assert second.state.global_step == 0
+
+
+def test_a_file_no_trl_ext_run_wrote_is_refused_untouched(tmp_path):
+    """Issue 34: the trainer also appended into a file it did not write (here a file of the user's own)."""
+    for content in ('{"note": "my own file"}\n', '{"prompt": "w5", "response": "w9", "reward": -1.0}\n'):
+        path = tmp_path / "mine.jsonl"
+        path.write_text(content)
+        with pytest.raises(ValueError, match=r"exists and was not written by a trl_ext run .*Set save_negdata to"):
+            toy_trainer(_negdata_args(tmp_path, "run", path))
+        assert path.read_text() == content
+
+
+def test_a_resumed_run_continues_its_negdata_file(tmp_path):
+    """The run id goes into every checkpoint; resuming from one continues the file (one header); resuming another
+    run's checkpoint onto this file is refused."""
+    path = tmp_path / "negdata.jsonl"
+    kwargs = dict(max_steps=3, save_strategy="steps", save_steps=1)
+    first = toy_trainer(_negdata_args(tmp_path, "run", path, **kwargs), callbacks=[StopAt(1)])
+    first.train()
+    checkpoint = tmp_path / "run" / "checkpoint-1"
+    run_id = first._negdata.run_id
+    assert json.loads((checkpoint / "negdata_run.json").read_text())["run_id"] == run_id
+    rows_before = read_negative_data(str(path))
+    resumed = toy_trainer(_negdata_args(tmp_path, "run", path, **kwargs))
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed._negdata.run_id == run_id and resumed.state.global_step == 3
+    with open(path, encoding="utf-8") as f:
+        assert sum("trl_ext_negdata" in json.loads(line) for line in f) == 1
+    rows = read_negative_data(str(path))
+    assert rows[: len(rows_before)] == rows_before and {r["step"] for r in rows[len(rows_before) :]} <= {1, 2}
+    other = tmp_path / "other.jsonl"  # another run, whose checkpoint is then resumed onto the first run's file
+    toy_trainer(_negdata_args(tmp_path, "other", other, **kwargs), callbacks=[StopAt(1)]).train()
+    before = path.read_bytes()
+    stranger = toy_trainer(_negdata_args(tmp_path, "other", path, **kwargs))
+    with pytest.raises(ValueError, match="another run .*this run resumes a checkpoint of run"):
+        stranger.train(resume_from_checkpoint=str(tmp_path / "other" / "checkpoint-1"))
+    assert path.read_bytes() == before
 
 
 def test_rewards_match_their_formulas(tmp_path):

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from online_helpers import ACCELERATE_CONFIGS, EXAMPLES, RECIPES, accelerate_launch, loaded_script, run
+from online_helpers import (
+    ACCELERATE_CONFIGS,
+    EXAMPLES,
+    RECIPES,
+    accelerate_launch,
+    loaded_script,
+    placeholder_model_folders,
+    run,
+)
 
 from trl_ext import testing as kit
 from trl_ext.losses import get_loss
@@ -171,7 +179,8 @@ def test_recipe_help_lists_the_options(recipe_module):
         assert option in text
 
 
-def test_recipe_yaml_parses_with_overrides(recipe_module, tmp_path):
+def test_recipe_yaml_parses_with_overrides(recipe_module, tmp_path, monkeypatch):
+    monkeypatch.chdir(placeholder_model_folders(tmp_path, "outputs/tiny/policy", "outputs/tiny/teacher"))
     _, args, model_args = recipe_module.make_parser().parse_args_and_config(
         ["--config", str(TINY_YAML), "--output_dir", str(tmp_path), "--kd_coef", "0.9"]
     )
@@ -198,7 +207,8 @@ def test_recipe_trains_and_saves_with_accelerate_launch(tiny_workdir):
     assert any(not torch.equal(p, q) for p, q in zip(saved.parameters(), initial.parameters()))
 
 
-def test_recipe_requires_a_teacher(recipe_module, tmp_path):
+def test_recipe_requires_a_teacher(recipe_module, tmp_path, monkeypatch):
+    monkeypatch.chdir(placeholder_model_folders(tmp_path, "outputs/tiny/policy", "outputs/tiny/teacher"))
     script_args, args, model_args = recipe_module.make_parser().parse_args_and_config(
         ["--config", str(TINY_YAML), "--output_dir", str(tmp_path)]
     )

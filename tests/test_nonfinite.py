@@ -6,6 +6,8 @@
 - Losses and gradients: a non-finite one skips the optimizer step (weights and optimizer state unchanged), is
   logged, and too many in a row stop the run (``max_consecutive_skipped_steps``), in every trainer.
 - A model with NaN weights is never saved.
+- Finite but huge rewards (beyond ``max_abs_reward``, 1e6 by default) stop an online run naming the sample, and a run
+  whose every optimizer step was skipped raises instead of returning as if it trained (issue 34).
 
 Tiny models throughout (a second or two per training run).
 """
@@ -17,14 +19,17 @@ import os
 
 import pytest
 import torch
+from datasets import Dataset
 from test_dpo_trainer import _args as dpo_args
 from test_dpo_trainer import _perturbed_llama
 from test_harmlessness_trainer import BAD, ToyReward, toy_args, toy_trainer
 from test_kd import kd_trainer
 from test_ppo_trainer import make_trainer, ppo_args, snapshot
+from test_proposal_trainer import PROMPT, tiny_lm
+from test_proposal_trainer import config as proposal_args
 from transformers import TrainerCallback
 
-from trl_ext import HarmlessnessConfig, PPOConfig, PPOTrainer
+from trl_ext import HarmlessnessConfig, PPOConfig, PPOTrainer, ProposalTrainer
 from trl_ext import testing as kit
 from trl_ext.rewards import map_reward
 from trl_ext.rollout.finite import drop_rows, expand_to_groups, screen_rewards
@@ -58,6 +63,25 @@ def test_screen_rewards_passes_finite_scores_and_names_the_first_bad_sample():
         screen_rewards(finite, "error", reduce=lambda count: count + 3)
     with pytest.raises(ValueError, match="choose one of error, drop"):
         screen_rewards(finite, "skip")
+
+
+def test_screen_rewards_refuses_a_huge_finite_reward_in_both_modes():
+    """Issue 34: 1e30 is finite, so it passed the NaN/inf screen; now any magnitude beyond max_abs_reward raises."""
+    for mode in ("error", "drop"):
+        with pytest.raises(
+            ValueError,
+            match=r"Reward too large: 1 of the 4 samples .* beyond ±1e\+06; the first, "
+            r"sample 1, scored 1e\+30 .*token ids \[2, 3\].*token ids \[3, 4, 5\].*max_abs_reward",
+        ):
+            screen_rewards(_rollout([1.0, 1e30, 2.0, -3.0]), mode)  # fmt: skip
+    with pytest.raises(ValueError, match=r"sample 2, scored -2e\+06"):
+        screen_rewards(_rollout([1.0, 5.0, -2e6, 3.0]), "error")
+    assert screen_rewards(_rollout([1e6, -1e6]), "error").scores.tolist() == [1e6, -1e6]  # the limit itself is fine
+    ok = _rollout([1e30, 1.0])
+    assert screen_rewards(ok, "error", max_abs_reward=None) is ok
+    assert screen_rewards(ok, "error", max_abs_reward=1e31) is ok
+    with pytest.raises(ValueError, match="on another process scored beyond"):  # every process raises together
+        screen_rewards(_rollout([1.0, 2.0]), "error", reduce=lambda counts: counts + torch.tensor([0, 2]))
 
 
 def test_drop_zeroes_the_score_and_the_mask_of_the_bad_samples_only():
@@ -106,6 +130,11 @@ def test_config_options_are_checked(tmp_path):
     with pytest.raises(ValueError, match="HarmlessnessConfig: nonfinite_rewards='drop' is not supported"):
         HarmlessnessConfig(output_dir=str(tmp_path), nonfinite_rewards="drop", bf16=False, use_cpu=True)
     assert PPOConfig(output_dir=str(tmp_path), bf16=False).max_consecutive_skipped_steps == 10
+    assert PPOConfig(output_dir=str(tmp_path), bf16=False).max_abs_reward == 1e6
+    for bad in (0, -5.0, "big"):
+        with pytest.raises(ValueError, match=f"max_abs_reward={bad!r}: set a number > 0"):
+            ppo_args(tmp_path, max_abs_reward=bad)
+    assert ppo_args(tmp_path, max_abs_reward=None).max_abs_reward is None
 
 
 # ------------------------------------------------------------------------------------------------ PPO rewards
@@ -149,6 +178,41 @@ def test_ppo_stops_on_a_non_finite_reward_naming_the_sample(bad, tmp_path, tiny_
     assert not os.path.exists(args.output_dir) or not any(
         name.startswith("checkpoint") for name in os.listdir(args.output_dir)
     )
+
+
+def test_ppo_stops_on_a_huge_reward_naming_the_sample(tmp_path, tiny_gpt_neox_dir, tiny_reward_dir):
+    """Issue 34: rewards of 1e30 made every step skip as non-finite and a 2-step run returned normally."""
+    reward = Scores({2: 1e30})
+    trainer = make_trainer(ppo_args(tmp_path), tiny_gpt_neox_dir, tiny_reward_dir, kit_prompts(), reward_model=reward)
+    before = snapshot(trainer.policy_model)
+    with pytest.raises(ValueError, match=r"Reward too large: 1 of the 4 samples .* sample 2, scored 1e\+30") as err:
+        trainer.train()
+    prompts, completions = reward.calls[0]
+    assert repr(prompts[2]) in str(err.value) and repr(completions[2]) in str(err.value)
+    assert all(torch.equal(before[n], p) for n, p in snapshot(trainer.policy_model).items())
+
+
+def test_a_run_whose_every_step_was_skipped_raises_nothing_trained(tmp_path, tiny_gpt_neox_dir, tiny_reward_dir):
+    """The same 1e30 rewards with the limit turned off: every optimizer step is skipped (inf losses), fewer than
+    max_consecutive_skipped_steps, and the run used to return as if it trained. Now train() says nothing trained."""
+    args = ppo_args(tmp_path, max_abs_reward=None)
+    reward = Scores({i: 1e30 for i in range(4)})
+    trainer = make_trainer(args, tiny_gpt_neox_dir, tiny_reward_dir, kit_prompts(), reward_model=reward)
+    before = snapshot(trainer.policy_model)
+    with pytest.raises(RuntimeError, match=r"PPOTrainer: all 2 optimizer steps of this run were skipped as "
+                       r"non-finite .*nothing was trained"):  # fmt: skip
+        trainer.train()
+    assert all(torch.equal(before[n], p) for n, p in snapshot(trainer.policy_model).items())
+
+
+def test_a_run_with_one_step_taken_still_returns(tmp_path, tiny_tokenizer):
+    trainer = kd_trainer(tmp_path, tiny_tokenizer)  # 3 steps, the first two skipped
+    poison_loss(trainer, {1, 2}, "nan_grad")
+    trainer.train()
+    assert skipped_logged(trainer) == [1, 2, 2]
+    poison_loss(trainer, {1, 2, 3, 4, 5, 6}, "nan_grad")  # a second train() counts its own steps only
+    with pytest.raises(RuntimeError, match="KDTrainer: all 3 optimizer steps of this run were skipped"):
+        trainer.train()
 
 
 def capturing_trainer(args, policy_dir, reward_dir, reward, value=True) -> PPOTrainer:
@@ -223,6 +287,36 @@ def test_repulse_stops_on_a_minus_inf_reward(tmp_path):
         trainer.train()
     after = snapshot(trainer.policy)
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+class HugeOnBad(ToyReward):
+    """The toy reward, but -1e30 (instead of -1) for a response holding a BAD token."""
+
+    def score_token_ids(self, prompt_ids, completion_ids, tokenizer, prompt_mask=None, completion_mask=None, **kw):
+        scores = super().score_token_ids(prompt_ids, completion_ids, tokenizer, prompt_mask, completion_mask)
+        return torch.where(scores < -0.5, torch.full_like(scores, -1e30), scores)
+
+
+def test_repulse_stops_on_a_huge_reward(tmp_path):
+    trainer = toy_trainer(toy_args(tmp_path, num_samples_per_prompt=64, max_steps=1), reward_model=HugeOnBad())
+    before = snapshot(trainer.policy)
+    with pytest.raises(ValueError, match=r"Reward too large: .* scored -1e\+30 for the prompt 'w5 w6 w7' and the "
+                       rf"completion '[^']*w({BAD[0]}|{BAD[1]})\b"):  # fmt: skip
+        trainer.train()
+    assert all(torch.equal(before[n], p) for n, p in snapshot(trainer.policy).items())
+
+
+def test_proposal_trainer_stops_on_a_huge_reward(tmp_path):
+    def huge(prompts, completions, **kwargs):
+        return [1e30 if i == 3 else 0.0 for i in range(len(completions))]
+
+    tokenizer = kit.build_tokenizer(padding_side="left")
+    trainer = ProposalTrainer(
+        args=proposal_args(tmp_path, max_steps=1), model=tiny_lm(), processing_class=tokenizer, reward_model=huge,
+        train_dataset=Dataset.from_dict({"input_ids": [PROMPT] * 8}),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"Reward too large: 1 of the 8 samples .* sample 3, scored 1e\+30"):
+        trainer.train()
 
 
 # --------------------------------------------------------------------------------- non-finite loss: skip step

@@ -21,6 +21,7 @@ from online_helpers import (
     assert_help_lists,
     load_script,
     loaded_script,
+    placeholder_model_folders,
     run,
 )
 
@@ -152,7 +153,8 @@ def test_recipe_help_lists_the_options():
     ))  # fmt: skip
 
 
-def test_recipe_yaml_values_are_overridden_by_flags(recipe_module, tmp_path):
+def test_recipe_yaml_values_are_overridden_by_flags(recipe_module, tmp_path, monkeypatch):
+    monkeypatch.chdir(placeholder_model_folders(tmp_path, "outputs/tiny/policy", "outputs/tiny/reward"))
     script_args, training_args, model_args = recipe_module.make_parser().parse_args_and_config(
         ["--config", str(TINY_YAML), "--output_dir", str(tmp_path), "--response_length", "5"]
     )

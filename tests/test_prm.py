@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from online_helpers import EXAMPLES, RECIPES, loaded_script, run
+from online_helpers import EXAMPLES, RECIPES, loaded_script, placeholder_model_folders, run
 
 from trl_ext import testing as kit
 from trl_ext.trainers.prm import (
@@ -288,7 +288,8 @@ def test_recipe_help_lists_the_options(recipe_module):
         assert option in text
 
 
-def test_recipe_yaml_parses_with_overrides(recipe_module, tmp_path):
+def test_recipe_yaml_parses_with_overrides(recipe_module, tmp_path, monkeypatch):
+    monkeypatch.chdir(placeholder_model_folders(tmp_path, "outputs/tiny/policy"))
     _, args, model_args = recipe_module.make_parser().parse_args_and_config(
         ["--config", str(TINY_YAML), "--output_dir", str(tmp_path), "--reward_tokens", "+", "-"]
     )

@@ -19,6 +19,7 @@ from online_helpers import (
     accelerate_launch,
     assert_help_lists,
     loaded_script,
+    placeholder_model_folders,
     run,
 )
 
@@ -39,7 +40,8 @@ def test_recipe_help_lists_the_options():
     ))  # fmt: skip
 
 
-def test_yaml_values_are_overridden_by_flags(recipe_module, tmp_path):
+def test_yaml_values_are_overridden_by_flags(recipe_module, tmp_path, monkeypatch):
+    monkeypatch.chdir(placeholder_model_folders(tmp_path, "outputs/tiny/policy"))
     script_args, training_args, model_args = recipe_module.make_parser().parse_args_and_config(
         ["--config", str(TOY_YAML), "--output_dir", str(tmp_path), "--loss_type", "dpg"]
     )

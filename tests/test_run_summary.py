@@ -19,6 +19,7 @@ from test_harmlessness_trainer import toy_args, toy_trainer
 from test_ppo_trainer import make_trainer, ppo_args
 
 import trl_ext
+from trl_ext.rollout.negdata import read_negative_data
 from trl_ext.trainers.common import run_summary as rs
 from trl_ext.trainers.common.model_card import PROJECT_URL, complete_card_text
 
@@ -247,8 +248,8 @@ def test_a_relative_save_negdata_is_under_output_dir(tmp_path, monkeypatch):
     assert toy_args(tmp_path, save_negdata=absolute).save_negdata == absolute
     assert toy_args(tmp_path).save_negdata is None
     toy_trainer(dataclasses.replace(args, max_steps=1)).train()  # threshold 10: every sample is written
-    with open(tmp_path / "runs" / "a" / "neg" / "bad.jsonl", encoding="utf-8") as f:
-        assert len(f.readlines()) == 8 * 2  # 8 policy + 8 proposal samples of the one step
+    rows = read_negative_data(str(tmp_path / "runs" / "a" / "neg" / "bad.jsonl"))
+    assert len(rows) == 8 * 2  # 8 policy + 8 proposal samples of the one step
 
 
 @pytest.fixture
@@ -270,8 +271,8 @@ def test_recipe_plot_and_negdata_under_the_output_dir_given_on_the_command_line(
     assert script_args.plot and args.save_negdata == str(out / "negdata.jsonl")
     harmlessness_recipe.main(script_args, args, model_args)
     printed = capsys.readouterr().out
-    with open(out / "negdata.jsonl", encoding="utf-8") as f:
-        assert len(f.readlines()) == 2 * 2 * 4 * 2  # 2 steps × 2 prompts × 4 samples × (policy + proposal)
+    rows = read_negative_data(str(out / "negdata.jsonl"))  # the rows after the file's header line
+    assert len(rows) == 2 * 2 * 4 * 2  # 2 steps × 2 prompts × 4 samples × (policy + proposal)
     assert not (tiny_workdir / "outputs" / "harmlessness-tiny").exists()
     assert _png_size(out / "training_curves.png") == (1600, 320)  # reward, KL, p_bad, loss
     assert f"Training curves: {out / 'training_curves.png'}" in printed

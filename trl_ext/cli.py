@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from trl import ModelConfig, ScriptArguments, TrlParser
 
 from .data.config_files import check_config_file
+from .data.files import load_data_file, load_dataset_checked
 from .data.mixture import (
     STOPPING_STRATEGIES,
     apply_input_template,
@@ -32,6 +33,7 @@ from .data.mixture import (
     select_first,
     to_conversational,
 )
+from .models.paths import check_model_path_options
 
 __all__ = [
     "DatasetScriptArguments",
@@ -66,13 +68,16 @@ _EPILOG = (
 class RecipeParser(TrlParser):
     """`TrlParser` whose ``--config`` YAML keys may be any spelling of an option (its aliases, dashes) and must name
     one: TRL's parser silently drops unknown keys, so a typo in a config file went unnoticed. The file is read
-    strictly first (:func:`check_config_file`: duplicate keys and syntax errors name the file and line)."""
+    strictly first (:func:`check_config_file`: duplicate keys and syntax errors name the file and line); the model
+    path options are checked after parsing (`trl_ext.models.paths.check_model_path_options`)."""
 
     def parse_args_and_config(self, args=None, *more, **kwargs):
         listed = list(sys.argv[1:] if args is None else args)
         if "--config" in listed and listed.index("--config") + 1 < len(listed):
             check_config_file(listed[listed.index("--config") + 1])
-        return super().parse_args_and_config(listed, *more, **kwargs)
+        outputs = super().parse_args_and_config(listed, *more, **kwargs)
+        check_model_path_options(*outputs)  # a missing local folder or a URL is named now, not after a Hub lookup
+        return outputs
 
     def set_defaults_with_config(self, **kwargs) -> list[str]:
         import difflib
@@ -233,8 +238,6 @@ def load_prompts(script_args: ScriptArguments, name: str | None = None):
     """The dataset dict named by `--dataset_name` (or by ``name``): a Hub id, a folder of data files, a folder written
     by `save_to_disk` or a single local data file (a file or a saved single `Dataset` becomes the
     ``--dataset_train_split`` split)."""
-    from datasets import load_dataset
-
     name = script_args.dataset_name if name is None else name
     if name is None:
         raise ValueError(
@@ -243,13 +246,13 @@ def load_prompts(script_args: ScriptArguments, name: str | None = None):
         )
     file_format = FILE_FORMATS.get(os.path.splitext(name)[1].lower())
     if file_format is not None and os.path.isfile(name):
-        return load_dataset(file_format, data_files={script_args.dataset_train_split: name})
+        return load_data_file(name, file_format, script_args.dataset_train_split)  # JSON errors name the line
     if any(os.path.isfile(os.path.join(name, f)) for f in ("dataset_dict.json", "state.json")):
         from datasets import DatasetDict, load_from_disk  # a folder written by `save_to_disk`
 
         saved = load_from_disk(name)
         return saved if isinstance(saved, DatasetDict) else DatasetDict({script_args.dataset_train_split: saved})
-    return load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
+    return load_dataset_checked(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
 
 
 def _split(dataset_dict, split: str, name: str):
@@ -334,15 +337,13 @@ def train_and_eval_splits(script_args: ScriptArguments, training_args, tokenizer
 def load_pretrain_dataset(training_args):
     """The texts of the pretraining (ptx) loss: ``--pretrain_data`` (a Hub id, a saved folder or a single local data
     file) at ``--pretrain_split``, or ``None`` when it is not set. The trainer checks ``--pretrain_text_column``."""
-    from datasets import load_dataset
-
     name, split = getattr(training_args, "pretrain_data", None), training_args.pretrain_split
     if name is None:
         return None
     file_format = FILE_FORMATS.get(os.path.splitext(name)[1].lower())
     if file_format is not None and os.path.isfile(name):
-        return load_dataset(file_format, data_files={split: name}, split=split)
-    dataset = load_dataset(name)
+        return load_data_file(name, file_format, split, split=split)
+    dataset = load_dataset_checked(name)
     if split not in dataset:
         raise ValueError(
             f"--pretrain_data {name!r} has no split {split!r} (it has {list(dataset)}); set --pretrain_split."

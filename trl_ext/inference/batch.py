@@ -21,6 +21,10 @@ Output: one JSON object per line and per prompt, written and flushed after every
 chosen one (``completion`` is the only sample when ``num_samples == 1``; with several samples and no reward model
 there is no choice, so only ``completions`` is written). Scoring mode writes ``prompt``, ``response`` and ``score``.
 
+Context: in generation mode, every prompt plus ``max_new_tokens`` must fit the policy's positions
+(``max_position_embeddings``), as in the trainers; otherwise nothing is generated or written and the error says how
+long the prompts may be.
+
 Metadata: before the first row, ``<output_file>.meta.json`` is written (atomically) with the format version, a run id
 and every setting that changes the rows (mode, model, backend, samples, sampling settings, seed, reward, chat
 template, id column); the JSONL itself stays a plain file of rows. Each row carries the ``run_id``.
@@ -52,10 +56,11 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from ..rollout.context import check_prompts_fit_context
 from .generation import BACKENDS, VLLMGenerator, generate_texts, resolve_backend, sampling_settings, stop_token_ids
 from .output_file import (
     FORMAT,
@@ -119,6 +124,8 @@ class BatchInferenceArguments:
 
         response_column, id_column, max_prompts
     """
+
+    url_options: ClassVar[tuple[str, ...]] = ("reward_model_path",)  # may be a reward server's URL
 
     output_file: str = field(
         default="outputs/batch_inference.jsonl",
@@ -304,6 +311,21 @@ def _prompt_token_ids(prompts: list, tokenizer, use_chat_template: bool, progres
     return prepared["input_ids"]
 
 
+def _model_config(model_path: str | None, revision: str | None = None):
+    """An object whose ``config`` is the policy's config, read from ``model_path`` (the vLLM backend loads no
+    model here); ``None`` when it cannot be read (vLLM then applies its own limit)."""
+    if model_path is None:
+        return None
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    try:
+        return SimpleNamespace(config=AutoConfig.from_pretrained(model_path, revision=revision))
+    except (OSError, ValueError):
+        return None
+
+
 class _Generator:
     """``n`` responses per prompt from HF ``generate`` or vLLM."""
 
@@ -448,7 +470,10 @@ def run_batch_inference(
 
     Raises:
         ValueError: the output file exists and was not written by batch inference, was written with other settings,
-            by another run or for another dataset (the file is then left untouched).
+            by another run or for another dataset (the file is then left untouched); or (generation) the longest
+            prompt plus ``max_new_tokens`` needs more positions than the policy has, checked as the trainers check
+            ``response_length`` (:func:`~trl_ext.rollout.context.check_prompts_fit_context`), before the
+            output file is touched.
     """
     if "prompt" not in dataset.column_names:
         raise ValueError(f"The dataset needs a 'prompt' column; it has {dataset.column_names}.")
@@ -474,6 +499,11 @@ def run_batch_inference(
     settings = run_settings(
         args, backend=backend, model=model, model_path=model_path, model_revision=model_revision, reward_fn=reward_fn
     )
+    all_ids = None
+    if not scoring:  # before the output file is touched: prompt + max_new_tokens must fit the policy's context
+        all_ids = _prompt_token_ids(prompts, tokenizer, args.use_chat_template, args.progress)
+        policy = model if model is not None else _model_config(model_path, model_revision)
+        check_prompts_fit_context(all_ids, policy, args.max_new_tokens, "the prompts", option="--max_new_tokens")
     run_id, done, resuming = _open_output(args, settings, digests, keys)
 
     # Fixed chunks of consecutive rows: a chunk with a missing row is redone whole (same rows, same seed) and only its
@@ -490,9 +520,7 @@ def run_batch_inference(
 
         chat = args.use_chat_template or is_conversational({"prompt": prompts[0]})
         generator = _Generator(args, model, tokenizer, model_path, chat, backend)
-        needed = [i for c in chunks for i in c]
-        ids = _prompt_token_ids([prompts[i] for i in needed], tokenizer, args.use_chat_template, args.progress)
-        token_ids = dict(zip(needed, ids))
+        token_ids = {i: all_ids[i] for c in chunks for i in c}
 
     from tqdm.auto import tqdm
 

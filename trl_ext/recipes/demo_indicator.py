@@ -75,6 +75,7 @@ from trl_ext.eval.analytic import bad_output_probability, response_kl  # noqa: E
 from trl_ext.eval.demo_metrics import value_at_kl  # noqa: E402
 from trl_ext.models.freeze import train_top_layers  # noqa: E402
 from trl_ext.rewards import OFFENSIVE_WORDS, LexicalReward  # noqa: E402
+from trl_ext.rollout.negdata import read_negative_data  # noqa: E402
 from trl_ext.trainers.harmlessness.harmlessness_config import HarmlessnessConfig  # noqa: E402
 from trl_ext.trainers.harmlessness.harmlessness_trainer import HarmlessnessTrainer  # noqa: E402
 
@@ -352,12 +353,9 @@ def summarize_bad_samples(path: str, top: int = 8, from_step: int = 0, before_st
     from collections import Counter
 
     counts = {"policy": Counter(), "proposal": Counter()}
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                row = json.loads(line)
-                if from_step <= row["step"] < before_step:
-                    counts[row["source"]][row["response"]] += 1
+    for row in read_negative_data(path):  # the rows, without the file's header line
+        if from_step <= row["step"] < before_step:
+            counts[row["source"]][row["response"]] += 1
     return {
         source: {"total": sum(c.values()), "distinct": len(c), "most_common": c.most_common(top)}
         for source, c in counts.items()

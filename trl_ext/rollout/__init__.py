@@ -12,7 +12,9 @@ trainers (`trl_ext.trainers`), held-out evaluation and attacks (`trl_ext.eval`) 
 - `reward_list`: `WeightedRewards`, a list of rewards summed with weights (GRPO's `reward_funcs`/`reward_weights`);
 - `columns`: the dataset columns that reach reward functions as keyword lists (`solution`, ...);
 - `reference`: `ReferencePolicy` (a separate model, or the policy with its adapters disabled);
-- `finite`: the check of every rollout's rewards for NaN / ±inf (`nonfinite_rewards`: raise, or drop the samples);
+- `finite`: the check of every rollout's rewards for NaN / ±inf (`nonfinite_rewards`: raise, or drop the samples)
+  and for magnitudes beyond `max_abs_reward`;
+- `context`: the check that prompts plus the new tokens fit the policy's context (trainers and batch inference);
 - `data`: prompt datasets, the left-padding collator and the rollout sampler;
 - `negdata`: reading and writing negative-data JSONL;
 - `vision`: image inputs of vision-language policies.

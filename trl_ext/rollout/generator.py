@@ -20,7 +20,8 @@ One rollout, for a batch of left-padded prompts:
    reference, a separate critic and a reward model run each distinct prompt once and its responses on its cache
    (:mod:`.shared_prefix`);
 5. subtract ``missing_eos_penalty`` from the scores of responses without a stop token;
-6. screen the scores for NaN / ±inf (``nonfinite_rewards``: raise, or drop those samples; :mod:`.finite`).
+6. screen the scores for NaN / ±inf (``nonfinite_rewards``: raise, or drop those samples) and for magnitudes beyond
+   ``max_abs_reward`` (raise; :mod:`.finite`).
 
 The result is a :class:`Rollout`. No maths here beyond calling :mod:`trl_ext.ops`.
 """
@@ -45,7 +46,7 @@ from ..ops.sequences import truncate_after_stop_token
 from ..utils import eval_mode
 from .columns import repeat_columns, select_columns
 from .compiled_decode import static_decode_cache
-from .finite import screen_rewards
+from .finite import DEFAULT_MAX_ABS_REWARD, screen_rewards
 from .fsdp import call_as_root_forward, is_fsdp_sharded
 from .reference import ReferencePolicy
 from .reward import RolloutReward
@@ -364,6 +365,7 @@ class RolloutGenerator:
             differ by more than the PPO ratio tolerates, so the forward pass is kept there.
         nonfinite_rewards: ``"error"`` raises on a NaN / ±inf score, ``"drop"`` gives those samples zero weight
             (:func:`~trl_ext.rollout.finite.screen_rewards`).
+        max_abs_reward: a finite score beyond ``±max_abs_reward`` raises, naming the sample (``None``: no limit).
         engine: a :class:`~trl_ext.rollout.vllm.VLLMRolloutEngine` that samples instead of ``generate`` (the policy's
             log-probs then come from a forward pass; the engine's are kept in ``Rollout.engine_logprobs``).
         shared_prefix: with ``num_samples_per_prompt > 1``, run each distinct prompt once and fan its KV cache out
@@ -388,12 +390,14 @@ class RolloutGenerator:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         logprobs_from_generation: bool = True,
         nonfinite_rewards: str = "error",
+        max_abs_reward: float | None = DEFAULT_MAX_ABS_REWARD,
         engine=None,
         shared_prefix: bool = True,
     ):
         self.engine = engine
         self.settings, self.reward, self.reference = settings, reward, reference
         self.logprobs_from_generation, self.nonfinite_rewards = logprobs_from_generation, nonfinite_rewards
+        self.max_abs_reward = max_abs_reward
         self.forward_batch_size, self.accelerator = int(forward_batch_size), accelerator
         self.missing_eos_penalty, self.policy_of, self.with_values = missing_eos_penalty, policy_of, with_values
         self.gather_deepspeed3_params = gather_deepspeed3_params
@@ -583,4 +587,5 @@ class RolloutGenerator:
         )
         many = self.accelerator is not None and self.accelerator.num_processes > 1
         reduce = (lambda count: self.accelerator.reduce(count, reduction="sum")) if many else None
-        return screen_rewards(rollout, self.nonfinite_rewards, getattr(self.reward, "tokenizer", None), reduce)
+        tokenizer = getattr(self.reward, "tokenizer", None)
+        return screen_rewards(rollout, self.nonfinite_rewards, tokenizer, reduce, self.max_abs_reward)

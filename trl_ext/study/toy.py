@@ -381,12 +381,11 @@ def _dataset(context: ToyContext):
 def offensive_sample_stats(path: str, updates: int, samples: int) -> dict:
     """Per update and per model (p, q): how many of the ``samples`` training samples the classifier called offensive,
     how many distinct ones, and the share of the most frequent one; from the trainer's ``save_negdata`` file."""
+    from ..rollout.negdata import read_negative_data
+
     counts = {"policy": defaultdict(Counter), "proposal": defaultdict(Counter)}
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                row = json.loads(line)
-                counts[row["source"]][int(row["step"]) + 1][row["response"]] += 1  # steps are 0-based
+    for row in read_negative_data(path):  # the rows, without the file's header line
+        counts[row["source"]][int(row["step"]) + 1][row["response"]] += 1  # steps are 0-based
     out = {"samples_per_update": samples}
     for source, per_update in counts.items():
         rows = []

@@ -4,13 +4,16 @@
 - :func:`check_not_empty`: an empty train or eval dataset (instead of ``IndexError: Invalid key: 0`` later).
 - :func:`load_model_argument`: a model given as a string: loaded when it is a folder or a Hub id, refused with the
   path named when it is neither (instead of ``'str' object has no attribute 'parameters'``).
-- :func:`check_prompts_fit_context`: prompts that, with ``response_length`` new tokens, exceed the policy's context.
+- :func:`check_prompts_fit_context`: prompts that, with ``response_length`` new tokens, exceed the policy's context
+  (defined in :mod:`trl_ext.rollout.context`, below the trainers, so that batch inference runs the same check).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+
+from ...rollout.context import check_prompts_fit_context, context_length
 
 __all__ = [
     "check_not_empty",
@@ -115,48 +118,3 @@ def load_model_argument(model, what: str = "model", *, loader: Callable | None =
             f"{prefix}could not load {what}={path!r} ({reason}). Check the folder or Hub id (and HF_HUB_OFFLINE / the "
             f"network for a Hub id), {pass_module}."
         ) from err
-
-
-_CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
-
-
-def context_length(model) -> int | None:
-    """The number of positions ``model`` was built for (``config.max_position_embeddings`` or its GPT-2 /
-    other-architecture names, read from the text config), or ``None`` when its config does not say."""
-    config = getattr(model, "config", None)
-    if config is None:
-        return None
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    for name in _CONTEXT_FIELDS:
-        value = getattr(config, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
-
-
-def check_prompts_fit_context(dataset, model, response_length: int, name: str = "train_dataset", *, trainer: str = ""):
-    """Raise ``ValueError`` when the longest tokenised prompt of ``dataset`` (an ``input_ids`` column) plus
-    ``response_length`` new tokens needs more positions than the policy ``model`` has (:func:`context_length`).
-
-    Nothing is checked when the model's config gives no context length or the dataset has no ``input_ids``."""
-    limit = context_length(model)
-    if dataset is None or limit is None or "input_ids" not in (getattr(dataset, "column_names", None) or ()):
-        return
-    lengths = [len(ids) for ids in dataset["input_ids"]]
-    longest = max(lengths, default=0)
-    if longest + response_length <= limit:
-        return
-    too_long = sum(n + response_length > limit for n in lengths)
-    room = limit - response_length
-    fix = (
-        f"Truncate or filter the prompts to at most {room} tokens (e.g. `dataset.filter(lambda row: "
-        f"len(tokenizer(row['prompt']).input_ids) <= {room})`), or lower response_length"
-        if room > 0
-        else f"Lower response_length below {limit}"
-    )
-    raise ValueError(
-        f"{_prefix(trainer)}{name}: the longest prompt has {longest} tokens; with response_length={response_length} "
-        f"new tokens a sequence needs {longest + response_length} positions, but the policy's context is {limit} "
-        f"(its config's max_position_embeddings). {too_long} of {len(lengths)} prompts do not fit. {fix}."
-    )

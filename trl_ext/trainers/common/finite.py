@@ -8,6 +8,9 @@
   step: ``global_step`` advances, the learning-rate scheduler steps, callbacks (EMA, checkpoints) run.
 - After more than ``max_consecutive_skipped_steps`` skipped steps in a row the run stops with a `RuntimeError`
   (``0``: the first non-finite step stops it). A step that is taken resets the count.
+- A run in which *every* optimizer step was skipped (fewer steps than that limit, e.g. a reward of 1e30 whose squares
+  overflow in every loss) does not return as if it trained: ``train()`` raises a `RuntimeError` saying that nothing
+  was trained (the weights are the initial ones) and why the steps were skipped.
 - :func:`check_finite_weights`: a model with a NaN / ±inf weight is never saved (``save_model`` raises and writes
   nothing).
 
@@ -140,6 +143,28 @@ class FiniteStepsMixin:
     _nonfinite_reason: str | None = None  # why the coming optimizer step must be skipped (a loss of this step)
     _consecutive_skipped_steps: int = 0
     _skipped_steps: int = 0
+    _taken_steps: int = 0
+    _last_skip_reason: str | None = None
+
+    def train(self, *args, **kwargs):
+        """`Trainer.train`; raises a `RuntimeError` when every optimizer step of the run was skipped as non-finite
+        (:meth:`check_something_trained`)."""
+        self._skipped_steps = self._taken_steps = 0
+        output = super().train(*args, **kwargs)
+        self.check_something_trained()
+        return output
+
+    def check_something_trained(self) -> None:
+        """Raise a `RuntimeError` when optimizer steps were skipped as non-finite and none was taken: the run would
+        otherwise end normally with the weights it started from."""
+        if self._skipped_steps == 0 or self._taken_steps > 0:
+            return
+        raise RuntimeError(
+            f"{type(self).__name__}: all {self._skipped_steps} optimizer steps of this run were skipped as "
+            f"non-finite (the last: {self._last_skip_reason}); nothing was trained and the weights are the ones the "
+            "run started from. Look for NaN/inf or huge values in the rewards, data or loaded weights (a checkpoint "
+            "with NaN weights skips every step), lower learning_rate or set max_grad_norm, then run again."
+        )
 
     # ------------------------------------------------------------------------------------------------ loss
     def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
@@ -178,7 +203,7 @@ class FiniteStepsMixin:
         if hooked is not None:
             hooked[1].remove()
         self._nonfinite_hook, self._nonfinite_reason = None, None
-        self._consecutive_skipped_steps = self._skipped_steps = 0
+        self._consecutive_skipped_steps = 0
         if getattr(self, "is_deepspeed_enabled", False) or not isinstance(optimizer, torch.optim.Optimizer):
             return
         self._nonfinite_hook = (optimizer, optimizer.register_step_pre_hook(self._before_optimizer_step))
@@ -201,7 +226,9 @@ class FiniteStepsMixin:
         self._nonfinite_reason = None
         if reason is None:
             self._consecutive_skipped_steps = 0
+            self._taken_steps += 1
             return None
+        self._last_skip_reason = reason
         for group in optimizer.param_groups:  # the optimizer skips parameters without gradient: nothing changes
             for p in group["params"]:
                 p.grad = None

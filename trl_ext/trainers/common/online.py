@@ -308,7 +308,8 @@ class OnlineTrainerMixin(
             forward_batch_size=args.local_rollout_forward_batch_size, accelerator=self.accelerator,
             missing_eos_penalty=args.missing_eos_penalty, gather_deepspeed3_params=args.ds3_gather_for_generation,
             gradient_checkpointing_kwargs=args.activation_checkpointing_kwargs,
-            nonfinite_rewards=args.nonfinite_rewards, engine=getattr(self, "_vllm", None),
+            nonfinite_rewards=args.nonfinite_rewards, max_abs_reward=args.max_abs_reward,
+            engine=getattr(self, "_vllm", None),
             shared_prefix=args.shared_prefix_rollouts, **kwargs,
         )  # fmt: skip
 

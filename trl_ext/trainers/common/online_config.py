@@ -24,7 +24,7 @@ from trl.trainer.base_config import _BaseConfig
 
 from ...losses import AGGREGATIONS
 from ...rewards import RM_TYPES
-from ...rollout.finite import NONFINITE_REWARD_OPTIONS
+from ...rollout.finite import DEFAULT_MAX_ABS_REWARD, NONFINITE_REWARD_OPTIONS
 from .finite import FiniteStepsArguments
 from .precision import default_bf16_off_without_gpu
 from .resume_config import ResumeConfigMixin
@@ -256,6 +256,14 @@ class OnlineConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
             "choices": list(NONFINITE_REWARD_OPTIONS),
         },
     )
+    max_abs_reward: float | None = field(
+        default=DEFAULT_MAX_ABS_REWARD,
+        metadata={
+            "help": "Largest magnitude a reward may have (default 1e6): a finite score beyond +-max_abs_reward stops "
+            "the run with an error naming the sample (the losses square rewards, and values like 1e30 overflow "
+            "float32, so every step would be skipped and nothing trained). None: no limit."
+        },
+    )
 
     # ----------------------------------------------------------------------------------------- frozen models
     ref_offload: bool = field(
@@ -353,6 +361,11 @@ class OnlineConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
         if self.missing_eos_penalty is not None and self.missing_eos_penalty < 0:
             fail(f"missing_eos_penalty={self.missing_eos_penalty} must be >= 0 (it is subtracted from the score).")
         self._check_choice("nonfinite_rewards", NONFINITE_REWARD_OPTIONS)
+        limit = self.max_abs_reward
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0):
+            fail(
+                f"max_abs_reward={limit!r}: set a number > 0 (the largest reward magnitude allowed, e.g. 1e6) or None."
+            )
         self._validate_reward_weights()
         self._validate_frozen_placement()
         if self.compile_generation and getattr(self, "use_vllm", False):

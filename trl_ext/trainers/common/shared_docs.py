@@ -76,6 +76,11 @@ RESUME_DOC = """\
 """
 
 REWARD_OPTIONS_DOC = """\
+        max_abs_reward (`float`, *optional*, defaults to `1e6`):
+            Largest magnitude a (finite) reward may have: a score beyond `±max_abs_reward` stops the run with an error
+            naming the sample, its prompt and completion, whatever `nonfinite_rewards` says. The losses square
+            rewards and float32 overflows (a reward of 1e30 made every optimizer step non-finite, so nothing
+            trained); 1e6 is far above real reward scales. `None`: no limit.
         reward_weights (`list[float]`, *optional*):
             One weight per reward function when the reward is a list (`reward_model=[f, g, ...]`, or `reward_funcs=`
             as in TRL's GRPO): the score is `Σ_i w_i · r_i`, and each function's unweighted values are logged as

@@ -210,7 +210,9 @@ class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, TwistTargetConfig):
             Path of a JSONL file; every sampled response (policy or proposal) whose raw reward is below
             `save_negdata_threshold` is appended as `{"prompt", "response", "reward", "step", "source"}`. A relative
             path is taken under `output_dir` (`"negdata.jsonl"`: `<output_dir>/negdata.jsonl`); an absolute one is
-            kept. The config holds the resolved, absolute path.
+            kept. The config holds the resolved, absolute path. The first line is a header with the run id (see
+            `trl_ext.rollout.negdata`): a run only appends to its own file (or, resumed, to the file of the run it
+            resumes); an existing file of another run, or one no trl_ext run wrote, is refused.
         save_negdata_threshold (`float`, *optional*, defaults to `-5.0`):
             Raw-reward threshold of `save_negdata`, also the threshold of the logged `p_bad`.
 
@@ -411,7 +413,8 @@ class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, TwistTargetConfig):
         metadata={
             "help": "JSONL file collecting every sampled response whose raw reward < save_negdata_threshold. A "
             "relative path is under --output_dir (e.g. negdata.jsonl: <output_dir>/negdata.jsonl); an absolute one "
-            "is kept."
+            "is kept. Its first line names the run (run id); another run's file, or a file trl_ext did not write, "
+            "is refused (a resumed run continues its own)."
         },
     )
     save_negdata_threshold: float = field(

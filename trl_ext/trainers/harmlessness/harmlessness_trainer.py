@@ -46,7 +46,6 @@ from ...rollout.generator import (
     forward_response,
     rollout_logprobs,
 )
-from ...rollout.negdata import NegativeDataWriter
 from ...rollout.vision import check_vision_models, concat_vision
 from ...utils import eval_mode
 from ..common.metrics import PPOMetrics
@@ -182,15 +181,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         self._generators = {"policy": self._generator(reward, None if self.kl_is_off else self.reference)}
         if proposal is not None:  # the proposal's "reference" is the current policy: its target's base
             self._generators["proposal"] = self._generator(reward, ReferencePolicy(model=policy))
-        self._negdata = None
-        if args.save_negdata:
-            from accelerate.utils import gather_object
-
-            self._negdata = NegativeDataWriter(
-                args.save_negdata, args.save_negdata_threshold, lambda ids: self.tokenizer.decode(ids),
-                gather=gather_object if self.accelerator.num_processes > 1 else None,
-                is_main_process=self.accelerator.is_main_process,
-            )  # fmt: skip
+        self._negdata = self._negative_data_writer(args, policy)  # refuses a file another run (or nobody) wrote
         self._loss = get_loss_spec(args.loss_type)
         self._needs_neg_rewards = "neg_rewards" in inspect.signature(self._loss.fn).parameters
         self._policy_shaping, self._target_shaping = reward_shapings(args)
@@ -308,6 +299,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
 
     def _start_training(self, resume_from_checkpoint: str | None) -> None:
         self._micro_step = None
+        self._start_negative_data(resume_from_checkpoint)  # a new header, or this run's (resumed) file
 
     def _update_kl_controller(self) -> None:
         """Feed the update's mean per-sequence KL to ``p_0`` (``base/kl``, averaged over its micro-steps and the

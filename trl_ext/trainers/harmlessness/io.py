@@ -3,12 +3,14 @@
 
 Checkpoint layout (see `trl_ext.trainers.common.checkpoint.save_policy_and_proposal`): the policy at the root (full
 weights in HF format, or the LoRA adapter under PEFT), the proposal in ``proposal/``, the tokenizer and the training
-arguments; `Trainer` adds the optimizer (both parameter groups), the scheduler, the RNG states and
-``trainer_state.json``.
+arguments, and with ``save_negdata`` the run id of the negative-data file (``negdata_run.json``, read back on resume:
+see `trl_ext.rollout.negdata`); `Trainer` adds the optimizer (both parameter groups), the scheduler, the RNG states
+and ``trainer_state.json``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -19,6 +21,7 @@ from ...losses import LossOutput
 from ...ops import kl_estimate, masked_sum
 from ...rollout.columns import COLUMNS_KEY
 from ...rollout.data import left_padded
+from ...rollout.negdata import NegativeDataWriter
 from ..common import checkpoint as ckpt
 from ..common.online import evaluates_with_ema, forked_rng
 from ..common.reward_setup import log_reward_components
@@ -27,6 +30,9 @@ from .steps import HarmlessnessRollouts, step_metrics
 __all__ = ["HarmlessnessTrainerIO"]
 
 logger = logging.getLogger(__name__)
+
+NEGDATA_RUN_NAME = "negdata_run.json"
+"""The file of a checkpoint that records the run id of its run's ``save_negdata`` file."""
 
 
 class HarmlessnessTrainerIO:
@@ -50,6 +56,69 @@ class HarmlessnessTrainerIO:
             self.policy, proposal, output_dir, state_dict=state_dict,
             processing_class=self.processing_class, extra_files={"training_args.bin": self.args},
         )  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------ negative data
+    def _negative_data_writer(self, args, policy) -> NegativeDataWriter | None:
+        """The writer of ``save_negdata`` (``None`` without it); an existing file that no trl_ext run wrote is refused
+        here, before training (another run's file is refused when training starts, once resuming is known)."""
+        if not args.save_negdata:
+            return None
+        from accelerate.utils import gather_object
+
+        reward = self.reward_model
+        config = {
+            "save_negdata_threshold": args.save_negdata_threshold,
+            "model": getattr(getattr(policy, "config", None), "_name_or_path", None) or type(policy).__name__,
+            "reward_model": getattr(getattr(reward, "config", None), "_name_or_path", None)
+            or getattr(reward, "name", None)
+            or type(reward).__name__,
+            "loss_type": args.loss_type,
+            "num_samples_per_prompt": args.num_samples_per_prompt,
+            "response_length": args.response_length,
+            "temperature": args.temperature,
+            "seed": args.seed,
+        }
+        writer = NegativeDataWriter(
+            args.save_negdata, args.save_negdata_threshold, lambda ids: self.tokenizer.decode(ids),
+            gather=gather_object if self.accelerator.num_processes > 1 else None,
+            is_main_process=self.accelerator.is_main_process, output_dir=args.output_dir, config=config,
+        )  # fmt: skip
+        writer.check_not_foreign()
+        return writer
+
+    def _start_negative_data(self, resume_from_checkpoint: str | None) -> None:
+        """Before training: continue this run's negative-data file (the resumed checkpoint's run id) or start a new
+        one; another run's file is refused on every process (`NegativeDataWriter.start`)."""
+        if self._negdata is None:
+            return
+        resume_run_id = None
+        record = os.path.join(resume_from_checkpoint, NEGDATA_RUN_NAME) if resume_from_checkpoint else None
+        if record is not None and os.path.isfile(record):
+            with open(record, encoding="utf-8") as f:
+                resume_run_id = json.load(f).get("run_id")
+        error = None
+        if self.accelerator.is_main_process:
+            try:
+                overwrite = bool(getattr(self.args, "overwrite_output_dir", False))
+                self._negdata.start(resume_run_id, resuming=resume_from_checkpoint is not None, overwrite=overwrite)
+            except ValueError as err:
+                error = str(err)
+        if self.accelerator.num_processes > 1:  # every process stops together
+            from accelerate.utils import broadcast_object_list
+
+            error = broadcast_object_list([error])[0]
+        if error is not None:
+            raise ValueError(error)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The mixins' `save_model`; a checkpoint also records the negative-data file's run id (``negdata_run.json``),
+        so that a run resumed from it continues that file."""
+        super().save_model(output_dir, _internal_call)
+        folder = os.path.normpath(output_dir if output_dir is not None else self.args.output_dir)
+        is_checkpoint = _internal_call and folder != os.path.normpath(self.args.output_dir)
+        if is_checkpoint and self._negdata is not None and self._negdata.run_id and self.args.should_save:
+            with open(os.path.join(folder, NEGDATA_RUN_NAME), "w", encoding="utf-8") as f:
+                json.dump({"run_id": self._negdata.run_id, "path": self._negdata.path}, f)
 
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, **kwargs):
         """`Trainer.push_to_hub`: the policy (root of ``output_dir``) with its model card; the proposal in
