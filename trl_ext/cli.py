@@ -342,7 +342,7 @@ def load_pretrain_dataset(training_args):
         return None
     file_format = FILE_FORMATS.get(os.path.splitext(name)[1].lower())
     if file_format is not None and os.path.isfile(name):
-        return load_data_file(name, file_format, split, split=split)
+        return load_data_file(name, file_format, split)[split]
     dataset = load_dataset_checked(name)
     if split not in dataset:
         raise ValueError(
