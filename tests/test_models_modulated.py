@@ -338,6 +338,7 @@ def test_trl_dpo_trains_the_modulation_and_leaves_the_base_untouched(kind, refer
     mod_before = {n: p.detach().clone() for n, p in model.named_parameters() if not n.startswith("base_lm.")}
     args = DPOConfig(
         output_dir=str(tmp_path),
+        activation_checkpointing=True,  # TRL's default, under the name that does not warn
         bf16=False,
         use_cpu=True,
         max_steps=2,

@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from trl_ext import testing as kit
+from trl_ext.models.kv_cache import output_cache
 from trl_ext.models.modulated import ModulatedCausalLM
 from trl_ext.models.modulated_generation import ModulatedCache, resolve_modulated_cache
 
@@ -132,13 +133,11 @@ def test_generate_returns_a_modulated_cache_and_supports_beam_search(tiny_tokeni
     model = _modulated("model", tokenizer=tiny_tokenizer_left)
     batch = _left_padded_prompts(tiny_tokenizer_left)
     out = model.generate(**batch, max_new_tokens=4, do_sample=False, return_dict_in_generate=True, min_new_tokens=4)
-    cache = out.past_key_values
+    cache = output_cache(out)
     assert isinstance(cache, ModulatedCache) and cache.modulation is not None
     assert cache.get_seq_length() == cache.modulation.get_seq_length() == out.sequences.shape[1] - 1
     head_only = _modulated("linear_head", tokenizer=tiny_tokenizer_left)
-    assert (
-        head_only.generate(**batch, max_new_tokens=2, return_dict_in_generate=True).past_key_values.modulation is None
-    )
+    assert output_cache(head_only.generate(**batch, max_new_tokens=2, return_dict_in_generate=True)).modulation is None
     # Beam search reorders both caches every step: cached and uncached beams must agree
     beams = model.generate(**batch, max_new_tokens=5, num_beams=3, do_sample=False)
     assert torch.equal(beams, model.generate(**batch, max_new_tokens=5, num_beams=3, do_sample=False, use_cache=False))

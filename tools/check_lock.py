@@ -3,6 +3,8 @@
 
     python tools/check_lock.py [LOCK] [--core] [--pip-check]
     python tools/check_lock.py --write LOCK      # what `make lock` runs inside its fresh venv
+    python tools/check_lock.py --core-only       # what `make test-newest` prints: the core stack, and how it
+                                                 # differs from the lock (no check)
 
 Fails (exit 1) listing every installed distribution whose version differs from its pin, or that the lock does not
 name at all: either means `make setup` resolved something the lock does not cover, so the tested set-up is no longer
@@ -115,8 +117,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--core", action="store_true", help="print the core stack's versions first")
     parser.add_argument("--pip-check", action="store_true", help="also run `pip check` (known exceptions allowed)")
     parser.add_argument("--write", action="store_true", help="write this environment to LOCK instead of checking")
+    parser.add_argument(
+        "--core-only", action="store_true", help="print the core stack and its differences from LOCK; check nothing"
+    )
     args = parser.parse_args(argv)
     have = installed()
+    if args.core_only:
+        print(f"core stack: {core_versions(have)}")
+        pins = read_lock(args.lock)
+        newer = [f"{n} {pins.get(n, '-')} -> {have[n]}" for n in CORE if n in have and n in pins and n != "pip"]
+        newer = [line for line in newer if public_version(line.split()[1]) != public_version(line.split()[-1])]
+        print("differs from the lock: " + (", ".join(newer) if newer else "nothing"))
+        return 0
     if args.write:
         write_lock(args.lock, have)
         print(f"wrote {len(have) - len(NOT_PINNED & set(have))} pins to {args.lock}")

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..models.kv_cache import cache_kwargs, output_cache
 from ..ops.kl import full_kl
 from ..utils import eval_mode
 
@@ -158,7 +159,7 @@ class _NextTokenScorer:
         self.num_calls = 0
         out = self._call(prompt[None], use_cache=use_cache)
         self.prompt_logprobs = self._logprobs(out.logits)[0]
-        cache = getattr(out, "past_key_values", None) if use_cache else None
+        cache = output_cache(out) if use_cache else None
         self.cache = cache if cache is not None and hasattr(cache, "batch_repeat_interleave") else None
         if use_cache and self.cache is None:
             logger.info("bad_output_probability: the model returned no batchable cache; prompts are recomputed.")
@@ -169,7 +170,7 @@ class _NextTokenScorer:
         mask = torch.ones(input_ids.shape[0], length, dtype=torch.long, device=input_ids.device)
         kwargs = dict(input_ids=input_ids, attention_mask=mask, use_cache=use_cache, **self.keep)
         if past is not None:
-            kwargs.update(past_key_values=past, position_ids=position_ids)
+            kwargs.update(**cache_kwargs(past), position_ids=position_ids)
         return self.model(**kwargs)
 
     def _logprobs(self, logits: torch.Tensor) -> torch.Tensor:

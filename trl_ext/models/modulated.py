@@ -54,6 +54,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..ops.logprobs import full_logprobs, logprobs_from_logits, modulated_logprobs
 from .fused_patch import RefusesTrlForwardPatch
+from .kv_cache import cache_kwargs, output_cache, pop_cache
 from .modulated_generation import ModulatedCache, resolve_modulated_cache
 from .modulated_utils import (
     MODULATION_KINDS,
@@ -133,7 +134,7 @@ class ModulatedCausalLMOutput(CausalLMOutputWithPast):
         base_logits: ``(B, T', V)`` logits ``ℓ^p`` of the frozen base model (no gradient).
         modulation_logits: ``(B, T', V)`` modulation ``m = log ψ`` (with gradient), in the head's dtype (fp32 for the
             heads, which are created in fp32 whatever the base dtype).
-        past_key_values: a `ModulatedCache` when ``use_cache``.
+        past_key_values: a `ModulatedCache` when ``use_cache`` (the field is ``cache`` from transformers 5.24 on).
     """
 
     base_logits: torch.Tensor | None = None
@@ -358,8 +359,9 @@ class ModulatedCausalLM(RefusesTrlForwardPatch, PreTrainedModel, GenerationMixin
         past = cache.base if cache is not None else None
         with torch.no_grad():
             out = self._base_forward(input_ids, past, head_on_base, base_kwargs)
-        if cache is not None and out.past_key_values is not None and out.past_key_values is not cache.base:
-            cache.base = out.past_key_values
+        returned = output_cache(out)
+        if cache is not None and returned is not None and returned is not cache.base:
+            cache.base = returned
         base_logits = out.logits if self._base_takes_logits_to_keep else keep_positions(out.logits, logits_to_keep)
         if head_on_base:
             if not out.hidden_states:
@@ -370,9 +372,10 @@ class ModulatedCausalLM(RefusesTrlForwardPatch, PreTrainedModel, GenerationMixin
             hidden = out.hidden_states[-1]
         else:
             past_m = cache.modulation if cache is not None else None
-            mod_out = self.modulation_backbone(input_ids=input_ids, past_key_values=past_m, **common)
-            if cache is not None and mod_out.past_key_values is not None and mod_out.past_key_values is not past_m:
-                cache.modulation = mod_out.past_key_values
+            mod_out = self.modulation_backbone(input_ids=input_ids, **cache_kwargs(past_m), **common)
+            returned = output_cache(mod_out)
+            if cache is not None and returned is not None and returned is not past_m:
+                cache.modulation = returned
             hidden = mod_out.last_hidden_state
         return base_logits, keep_positions(hidden, logits_to_keep)
 
@@ -381,14 +384,14 @@ class ModulatedCausalLM(RefusesTrlForwardPatch, PreTrainedModel, GenerationMixin
         supports transformers 5's index selection (``output_hidden_states=[-1]``), all of them otherwise."""
         if want_hidden and self._select_last_hidden:
             try:
-                return self.base_lm(input_ids=input_ids, past_key_values=past, output_hidden_states=[-1], **kwargs)
+                return self.base_lm(input_ids=input_ids, **cache_kwargs(past), output_hidden_states=[-1], **kwargs)
             except ValueError as err:  # raised before the forward runs, e.g. no `num_hidden_layers` in the config
                 if "hidden states" not in str(err):
                     raise
                 self._select_last_hidden = False
         if want_hidden:
             kwargs = {**kwargs, "output_hidden_states": True}
-        return self.base_lm(input_ids=input_ids, past_key_values=past, **kwargs)
+        return self.base_lm(input_ids=input_ids, **cache_kwargs(past), **kwargs)
 
     @property
     def _head_weight(self) -> torch.Tensor:
@@ -414,6 +417,7 @@ class ModulatedCausalLM(RefusesTrlForwardPatch, PreTrainedModel, GenerationMixin
         shift_labels: torch.LongTensor | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
         return_dict: bool | None = None,
+        cache=None,
         **kwargs,
     ):
         """Modulated log-probs ``log q = log_softmax(log_softmax(ℓ^p) + m)`` of every (kept) position.
@@ -421,7 +425,8 @@ class ModulatedCausalLM(RefusesTrlForwardPatch, PreTrainedModel, GenerationMixin
         Args:
             input_ids, attention_mask, position_ids: as for any causal LM (left padding is fine; ``generate``
                 builds ``position_ids`` from the mask).
-            past_key_values: ``None`` or a `ModulatedCache` (built here on the first cached call).
+            past_key_values: ``None`` or a `ModulatedCache` (built here on the first cached call); ``cache`` is the
+                same argument under the name transformers ≥ 5.24 uses (`trl_ext.models.kv_cache`).
             labels: optional; the loss is ``−Σ_t log q(labels_{t+1}|·) / n`` over labels ≠ −100, with ``n`` the
                 label count or ``num_items_in_batch``.
             use_cache: defaults to ``config.use_cache`` (off when ``fused_lm_head``).
@@ -447,6 +452,8 @@ class ModulatedCausalLM(RefusesTrlForwardPatch, PreTrainedModel, GenerationMixin
             return self._fused_forward(
                 input_ids, attention_mask, position_ids, labels, shift_labels, num_items_in_batch, kwargs
             )
+        if cache is not None:
+            past_key_values = pop_cache({"cache": cache}, past_key_values)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         cache = resolve_modulated_cache(
             past_key_values,
@@ -474,7 +481,7 @@ class ModulatedCausalLM(RefusesTrlForwardPatch, PreTrainedModel, GenerationMixin
         output = ModulatedCausalLMOutput(
             loss=loss,
             logits=logits,
-            past_key_values=cache if use_cache else None,
+            **cache_kwargs(cache if use_cache else None),
             base_logits=base_logits,
             modulation_logits=modulation,
         )

@@ -58,6 +58,7 @@ from ..ops.logprobs import logprobs_from_hidden, logprobs_from_logits
 from ..utils import require_peft
 from .critic import default_value_head_std
 from .fused_patch import RefusesTrlForwardPatch
+from .kv_cache import cache_kwargs, pop_cache
 
 __all__ = [
     "AutoModelForCausalLMWithValueHead",
@@ -391,12 +392,14 @@ class AutoModelForCausalLMWithValueHead(RefusesTrlForwardPatch, PreTrainedModel)
         shift_labels: torch.LongTensor | None = None,
         num_items_in_batch: torch.Tensor | int | None = None,
         return_values: bool = True,
+        cache=None,
         **kwargs,
     ) -> CausalLMOutputWithValue | FusedCausalLMOutputWithValue:
         """Run the wrapped causal LM and the value head.
 
         Args:
-            input_ids, attention_mask, position_ids, past_key_values, use_cache, labels: as the wrapped model.
+            input_ids, attention_mask, position_ids, past_key_values, use_cache, labels: as the wrapped model
+                (``cache``: the KV cache under the name transformers ≥ 5.24 uses; either name works).
             fused_lm_head: TRL's fused LM-head protocol: return a `FusedCausalLMOutputWithValue` (a
                 `FusedCausalLMOutput`) with the log-probs `(B, T-1)` of the next-token ``labels`` (or of the
                 pre-shifted ``shift_labels``, `(B, T)`), zero where the label is ``-100``, without building the full
@@ -409,7 +412,9 @@ class AutoModelForCausalLMWithValueHead(RefusesTrlForwardPatch, PreTrainedModel)
             `CausalLMOutputWithValue`: the wrapped model's fields plus ``value``.
         """
         model_kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        model_kwargs.update(past_key_values=past_key_values, use_cache=use_cache, **kwargs)
+        if cache is not None:
+            past_key_values = pop_cache({"cache": cache}, past_key_values)
+        model_kwargs.update(**cache_kwargs(past_key_values), use_cache=use_cache, **kwargs)
         if fused_lm_head:
             return self._fused_forward(model_kwargs, labels, shift_labels, num_items_in_batch, return_values)
         user_hidden = model_kwargs.pop("output_hidden_states", None)

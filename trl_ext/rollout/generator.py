@@ -39,6 +39,7 @@ import torch
 from torch import nn
 from transformers import CompileConfig, GenerationConfig, LogitsProcessorList
 
+from ..models.kv_cache import cache_kwargs
 from ..models.lora import is_peft_model
 from ..models.value_head import AutoModelForCausalLMWithValueHead
 from ..ops.logprobs import DEFAULT_CHUNK_SIZE
@@ -293,7 +294,7 @@ def generate_responses(
             cache = prefill_prompts(model, ids, mask) if share_prompts and vision is None else None
             static = static_decode_cache(model, ids, settings.max_new_tokens, cache) if compiled is not None else None
             if static is not None or cache is not None:
-                extra["past_key_values"] = static if static is not None else cache
+                extra.update(cache_kwargs(static if static is not None else cache))
             out = model.generate(
                 input_ids=ids, attention_mask=mask, generation_config=compiled if static is not None else config,
                 logits_processor=processors, **extra, **synced,

@@ -10,7 +10,8 @@ What is computed is unchanged: a row's tokens attend to the same keys and values
 the attention mask, as everywhere in :mod:`trl_ext.rollout`), so the outputs equal the unshared pass's up to
 floating-point rounding (~1e-6 in fp32; both are then the same cached-attention computation ``generate`` does).
 
-- :func:`prefill_prompts`: the cache of all prompt tokens but the last, for ``generate(..., past_key_values=...)``,
+- :func:`prefill_prompts`: the cache of all prompt tokens but the last, for ``generate(..., cache=...)``
+  (``past_key_values=`` before transformers 5.24),
   which then runs only each row's last prompt token before sampling; the sampler sees the same logits and draws in
   the same order, so a seeded run samples the same tokens as without sharing.
 - :func:`shared_prompt_logprobs` (reference log-probs), :func:`shared_prompt_values` (a separate critic's values) and
@@ -28,13 +29,12 @@ rows share a prompt depends on each process's own rows, so such a model always r
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
 from ..models.fsdp import is_fsdp_sharded
+from ..models.kv_cache import cache_kwargs, output_cache, takes_cache
 from ..models.lora import is_peft_model
 from ..models.reward import _decoder_parts, apply_reward_normalization
 from ..models.value_head import AutoModelForCausalLMWithValueHead
@@ -63,14 +63,6 @@ def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
     return unique[:, :P], unique[:, P:].to(prompt_mask.dtype), inverse
 
 
-def _takes(model: nn.Module, name: str) -> bool:
-    forward = getattr(model, "forward", None)
-    try:
-        return name in inspect.signature(forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def _prefill_module(model: nn.Module) -> nn.Module | None:
     """The module whose forward ``model.generate`` runs (value-head wrappers delegate to their LM), or ``None`` for a
     prompt-learning PEFT model (its virtual tokens are added by ``generate`` itself)."""
@@ -86,9 +78,9 @@ def _prefill_module(model: nn.Module) -> nn.Module | None:
 def _cached_forward(module: nn.Module, ids, mask, position_ids, cache=None, **kwargs):
     """``module`` on ``ids`` with the cache kept; ``(output, cache)``, the cache ``None`` when none came back."""
     out = module(
-        input_ids=ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache, use_cache=True, **kwargs
+        input_ids=ids, attention_mask=mask, position_ids=position_ids, **cache_kwargs(cache), use_cache=True, **kwargs
     )
-    cache = getattr(out, "past_key_values", None)
+    cache = output_cache(out)
     return out, cache if isinstance(cache, Cache) else None
 
 
@@ -159,7 +151,7 @@ def can_share_prompt(backbone: nn.Module) -> bool:
     it on) and the cache is kept (no activation checkpointing, which turns ``use_cache`` off while training)."""
     if getattr(backbone, "is_activation_checkpointing", False):
         return False
-    return _takes(backbone, "past_key_values") or is_peft_model(backbone)
+    return takes_cache(backbone) or is_peft_model(backbone)
 
 
 @torch.no_grad()
@@ -205,7 +197,7 @@ def _shared_hidden(model: nn.Module, prompt_ids, prompt_mask, response_ids, resp
     if parts is None or is_fsdp_sharded(model):
         return None
     backbone, head = parts
-    if not _takes(backbone, "past_key_values") and not is_peft_model(backbone):
+    if not takes_cache(backbone) and not is_peft_model(backbone):
         return None
     shared = _prompt_then_responses(backbone, prompt_ids, prompt_mask, response_ids, response_mask)
     if shared is None:

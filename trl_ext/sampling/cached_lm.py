@@ -17,6 +17,7 @@ import inspect
 import torch
 from torch import nn
 
+from ..models.kv_cache import cache_kwargs, output_cache
 from ..ops.sequences import position_ids_from_attention_mask
 from ..utils import eval_mode
 
@@ -41,9 +42,9 @@ class CachedLM:
     """Token-by-token forward passes of one causal LM over ``B`` rows with a KV cache.
 
     Args:
-        model: a causal LM (``model(input_ids=..., attention_mask=..., position_ids=..., past_key_values=...,
-            use_cache=True)`` returns ``logits`` and ``past_key_values``), e.g. a `transformers` LM or a
-            `~trl_ext.models.ModulatedCausalLM`.
+        model: a causal LM (``model(input_ids=..., attention_mask=..., position_ids=..., cache=...,
+            use_cache=True)`` returns ``logits`` and the cache; ``past_key_values`` before transformers 5.24),
+            e.g. a `transformers` LM or a `~trl_ext.models.ModulatedCausalLM`.
     """
 
     def __init__(self, model: nn.Module):
@@ -60,16 +61,17 @@ class CachedLM:
                 input_ids=input_ids,
                 attention_mask=self.mask,
                 position_ids=position_ids,
-                past_key_values=self.cache,
+                **cache_kwargs(self.cache),
                 use_cache=True,
                 **self._keep,
             )
-        if out.past_key_values is None:
+        cache = output_cache(out)
+        if cache is None:
             raise ValueError(
-                f"{type(self.model).__name__} returned no past_key_values with use_cache=True; SMC needs a model "
-                "with a key/value cache."
+                f"{type(self.model).__name__} returned no KV cache (past_key_values / cache) with use_cache=True; SMC "
+                "needs a model with a key/value cache."
             )
-        self.cache = out.past_key_values
+        self.cache = cache
         self.row_forwards += int(input_ids.shape[0])
         return out
 

@@ -20,6 +20,7 @@ from trl import SFTConfig, SFTTrainer
 
 from ..losses import get_loss
 from ..models.offload import check_offloadable, on_device
+from .common.checkpointing_defaults import ActivationCheckpointingDefault
 from .common.distributed import CpuFsdpMixin
 from .common.finite import FiniteStepsArguments, FiniteStepsMixin
 from .common.model_card import CompleteModelCard
@@ -33,7 +34,7 @@ __all__ = ["KDConfig", "KDTrainer"]
 
 @document_shared_options
 @dataclass
-class KDConfig(FiniteStepsArguments, ResumeConfigMixin, SFTConfig):
+class KDConfig(ActivationCheckpointingDefault, FiniteStepsArguments, ResumeConfigMixin, SFTConfig):
     r"""
     Configuration class for [`~trl_ext.trainers.kd.KDTrainer`]: TRL's [`~trl.SFTConfig`] plus the teacher and the
     mixing of the two losses. Everything about the data (`dataset_text_field`, `completion_only_loss`, `max_length`,

@@ -35,6 +35,7 @@ from trl.trainer.base_trainer import _BaseTrainer
 from trl.trainer.utils import pad
 
 from ..losses import get_loss
+from .common.checkpointing_defaults import ActivationCheckpointingDefault
 from .common.distributed import CpuFsdpMixin
 from .common.finite import FiniteStepsArguments, FiniteStepsMixin
 from .common.model_card import CompleteModelCard
@@ -55,7 +56,7 @@ __all__ = [
 # ------------------------------------------------------------------------------------------------------ config
 @document_shared_options
 @dataclass
-class PRMConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
+class PRMConfig(ActivationCheckpointingDefault, FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
     r"""
     Configuration class for [`~trl_ext.trainers.prm.PRMTrainer`]. For the generic training arguments see
     [`~transformers.TrainingArguments`].

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ...models.kv_cache import cache_kwargs, output_cache
 from ...sampling import TokenSetPotential
 from ...sampling.cached_lm import model_device
 from ...utils import eval_mode
@@ -138,7 +139,7 @@ def _prompt_cache(model: nn.Module, prompt_ids: torch.Tensor):
     device = model_device(model)
     ids = prompt_ids.to(device)[None]
     out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
-    return out.past_key_values, torch.log_softmax(out.logits[0, -1].double(), -1).cpu()
+    return output_cache(out), torch.log_softmax(out.logits[0, -1].double(), -1).cpu()
 
 
 def _next_token_logprobs(
@@ -160,7 +161,7 @@ def _next_token_logprobs(
                 input_ids=ids,
                 attention_mask=torch.ones(chunk.shape[0], P + 1, dtype=torch.long, device=device),
                 position_ids=torch.full_like(ids, P),
-                past_key_values=past,
+                **cache_kwargs(past),
                 use_cache=True,
             )
             yield torch.log_softmax(res.logits[:, -1].double(), -1).cpu()

@@ -25,6 +25,7 @@ from trl.trainer.base_config import _BaseConfig
 from ...losses import AGGREGATIONS
 from ...rewards import RM_TYPES
 from ...rollout.finite import DEFAULT_MAX_ABS_REWARD, NONFINITE_REWARD_OPTIONS
+from .checkpointing_defaults import ActivationCheckpointingDefault
 from .finite import FiniteStepsArguments
 from .precision import default_bf16_off_without_gpu
 from .resume_config import ResumeConfigMixin
@@ -42,7 +43,7 @@ FROZEN_MODEL_PLACEMENTS = ("auto", "sharded", "replicated")
 
 @document_shared_options
 @dataclass
-class OnlineConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
+class OnlineConfig(ActivationCheckpointingDefault, FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
     r"""
     Options shared by the configurations of the online trainers ([`~trl_ext.PPOTrainer`],
     [`~trl_ext.ProposalTrainer`], [`~trl_ext.HarmlessnessTrainer`]); see each of them for the full list.
@@ -127,14 +128,6 @@ class OnlineConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
     > and `bf16` on when `fp16` is off *and a GPU (or XPU) is present*; on a CPU-only machine (or with
     > `use_cpu=True`) `bf16` defaults to `False` (TRL's default would refuse to start there).
     """
-
-    gradient_checkpointing: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Deprecated alias of `activation_checkpointing`. Activation checkpointing is on by default (as "
-            "in TRL's configs): set either to False to turn it off."
-        },
-    )
 
     # -------------------------------------------------------------------------------------------------- data
     dataset_num_proc: int | None = field(
@@ -327,8 +320,6 @@ class OnlineConfig(FiniteStepsArguments, ResumeConfigMixin, _BaseConfig):
 
     def __post_init__(self):
         default_bf16_off_without_gpu(self)
-        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
-            self.activation_checkpointing = True  # TRL's configs default to checkpointing on
         self._resolve_num_generations()
         self._validate()
         super().__post_init__()

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import trl
 
+from ..common.checkpointing_defaults import ActivationCheckpointingDefault
 from ..common.distributed import CpuFsdpMixin
 from ..common.finite import FiniteStepsArguments, FiniteStepsMixin
 from ..common.model_card import CompleteModelCard
@@ -47,7 +48,9 @@ _NON_MODEL_KEYS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
 
 @document_shared_options
 @dataclass
-class DPOConfig(FiniteStepsArguments, ExtraLossArguments, ResumeConfigMixin, trl.DPOConfig):
+class DPOConfig(
+    ActivationCheckpointingDefault, FiniteStepsArguments, ExtraLossArguments, ResumeConfigMixin, trl.DPOConfig
+):
     r"""
     Configuration class for trl_ext's [`DPOTrainer`]: every parameter of TRL's `trl.DPOConfig` (same names, defaults
     and meaning) plus an extra loss. For the generic training arguments see [`~transformers.TrainingArguments`].

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import trl
 
+from ..common.checkpointing_defaults import ActivationCheckpointingDefault
 from ..common.distributed import CpuFsdpMixin
 from ..common.finite import FiniteStepsArguments, FiniteStepsMixin
 from ..common.model_card import CompleteModelCard
@@ -37,7 +38,9 @@ __all__ = ["KTOConfig", "KTOTrainer"]
 
 @document_shared_options
 @dataclass
-class KTOConfig(FiniteStepsArguments, ExtraLossArguments, ResumeConfigMixin, trl.KTOConfig):
+class KTOConfig(
+    ActivationCheckpointingDefault, FiniteStepsArguments, ExtraLossArguments, ResumeConfigMixin, trl.KTOConfig
+):
     r"""
     Configuration class for trl_ext's [`KTOTrainer`]: every parameter of TRL's `trl.KTOConfig` (same names, defaults
     and meaning) plus an extra loss on the undesirable completions. For the generic training arguments see
