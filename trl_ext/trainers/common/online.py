@@ -294,17 +294,21 @@ class OnlineTrainerMixin(
         self._vllm = build_vllm_engine(self.args, models, self.accelerator, type(self).__name__, version_fn)
 
     def _rollout_generator(
-        self, reward: RolloutReward, reference: ReferencePolicy | None, **kwargs
+        self,
+        reward: RolloutReward,
+        reference: ReferencePolicy | None,
+        settings: SamplingSettings | None = None,
+        **kwargs,
     ) -> RolloutGenerator:
-        """A :class:`RolloutGenerator` with ``self._sampling`` and the config's rollout options (and the vLLM engine
-        of :meth:`_build_vllm`, if any); ``kwargs`` (e.g. ``policy_of``) are passed on. ``reference=None``: rollouts
-        score no reference (see :attr:`kl_is_off`)."""
+        """A :class:`RolloutGenerator` with ``settings`` (default ``self._sampling``) and the config's rollout options
+        (and the vLLM engine of :meth:`_build_vllm`, if any); ``kwargs`` (e.g. ``policy_of``) are passed on.
+        ``reference=None``: rollouts score no reference (see :attr:`kl_is_off`)."""
         args = self.args
         for part in getattr(reward, "parts", [reward]):  # reward_offload (the reward models of a list too)
             if getattr(part, "model", None) is not None and any(part.model is m for m in self._reward_modules()):
                 part.offload_device = getattr(self, "_reward_offload_device", None)
         return RolloutGenerator(
-            self._sampling, reward, reference,
+            self._sampling if settings is None else settings, reward, reference,
             forward_batch_size=args.local_rollout_forward_batch_size, accelerator=self.accelerator,
             missing_eos_penalty=args.missing_eos_penalty, gather_deepspeed3_params=args.ds3_gather_for_generation,
             gradient_checkpointing_kwargs=args.activation_checkpointing_kwargs,
@@ -328,18 +332,21 @@ class OnlineTrainerMixin(
 
         return gather_object
 
-    def rollout_row_keys(self, num_prompts: int, rollout: int, stream: int = 0) -> torch.Tensor | None:
+    def rollout_row_keys(
+        self, num_prompts: int, rollout: int, stream: int = 0, samples_per_prompt: int | None = None
+    ) -> torch.Tensor | None:
         """With ``seed_per_row``: the ``(num_prompts · N,)`` random-stream keys of this process's rows in rollout
         number ``rollout`` (counted over the run, the same on every process) of sample stream ``stream`` (e.g. 0 for
         the policy's samples, 1 for the proposal's), keyed by the rows' *global* index ``(process_index · num_prompts
         + prompt) · N + sample`` (:func:`~trl_ext.rollout.sampling.row_keys`); ``None`` without it (each process
-        samples from its own RNG)."""
+        samples from its own RNG). ``samples_per_prompt``: ``N`` (default ``num_samples_per_prompt``)."""
         if not getattr(self.args, "seed_per_row", False):
             return None
         override = self.__dict__.get("_row_key_override")
         if override is not None:  # inside `evaluation_row_keys`
             stream, rollout = override
-        rows = num_prompts * self.args.num_samples_per_prompt
+        n = self.args.num_samples_per_prompt if samples_per_prompt is None else samples_per_prompt
+        rows = num_prompts * n
         first = self.accelerator.process_index * rows
         return row_keys(self.args.seed, stream, rollout, torch.arange(first, first + rows))
 

@@ -1,6 +1,6 @@
 """The checks of `HarmlessnessConfig` that concern σ ∝ p·exp(β·R), the distribution of the negative samples: its
-reward and β (`check_target`) and how its samples are drawn (`check_negative_sampler`). Each takes the config and its
-``fail(message)``."""
+reward and β (`check_target`), how its samples are drawn (`check_negative_sampler`) and how many the proposal draws
+(`check_proposal_samples`). Each takes the config and its ``fail(message)``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import inspect
 from ...losses import get_loss_spec
 from ...rewards import REWARD_TRANSFORMS
 
-__all__ = ["check_negative_sampler", "check_target"]
+__all__ = ["check_negative_sampler", "check_proposal_samples", "check_target"]
 
 
 def check_target(config, fail) -> None:
@@ -74,4 +74,30 @@ def check_negative_sampler(config, fail) -> None:
         fail(
             f"loss_type={config.loss_type!r} also takes the negatives' returns, measured on the proposal's samples; "
             "negative_sampler='smc' replaces those samples. Use negative_sampler='proposal'."
+        )
+
+
+def check_proposal_samples(config, fail) -> None:
+    """``proposal_samples_per_prompt``: an integer >= 2, only where a proposal is sampled and its samples are the
+    negatives (not with ``use_base_as_proposal``, nor with SMC particles as negatives) when it differs from
+    ``num_samples_per_prompt``."""
+    m = config.proposal_samples_per_prompt
+    if m is None:
+        return
+    if isinstance(m, bool) or not isinstance(m, int) or m < 2:
+        fail(
+            f"proposal_samples_per_prompt={m!r}: set an integer >= 2 (the proposal's weights and its twist loss "
+            "compare the samples of a prompt), or None for num_samples_per_prompt."
+        )
+    if m == config.num_samples_per_prompt:
+        return
+    if not config.uses_proposal_model:
+        fail(
+            f"proposal_samples_per_prompt={m} but no proposal model is sampled (loss_type={config.loss_type!r}, "
+            f"use_base_as_proposal={config.use_base_as_proposal}); leave it unset."
+        )
+    if config.negative_sampler == "smc":
+        fail(
+            f"proposal_samples_per_prompt={m} with negative_sampler='smc': the negatives are the "
+            f"num_samples_per_prompt={config.num_samples_per_prompt} SMC particles; leave it unset."
         )

@@ -16,7 +16,7 @@ from ..common.online_config import TwistTargetConfig
 from ..common.ptx_config import PtxConfigMixin
 from ..common.shared_docs import document_shared_options
 from ..common.vllm_config import VLLMConfigMixin, document_vllm_options
-from .config_checks import check_negative_sampler, check_target
+from .config_checks import check_negative_sampler, check_proposal_samples, check_target
 
 __all__ = ["HarmlessnessConfig", "ORDERS", "PROPOSAL_LOSS_TYPES", "REWARD_TRANSFORM_NAMES", "RM_TYPE_NAMES"]
 
@@ -176,6 +176,12 @@ class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, TwistTargetConfig):
             `"p_then_q"`: the policy is updated first and the proposal step targets the updated policy.
         q_steps_per_p_step (`int`, *optional*, defaults to `1`):
             Proposal updates per policy update; each extra one samples fresh proposal responses.
+        proposal_samples_per_prompt (`int`, *optional*):
+            Responses the proposal samples per prompt (at least 2; default `num_samples_per_prompt`). Fewer than the
+            policy's cuts the proposal's rollout, its step and the policy's negative term in proportion. The
+            σ-weights are self-normalised over these samples, and with `alpha_convention="reference"` the negative
+            term is scaled by `proposal_samples_per_prompt / num_samples_per_prompt`, so that `alpha` means what it
+            means with equal counts (docs/repulse.md, "Cheaper steps").
         proposal_learning_rate (`float`, *optional*):
             Learning rate of the proposal; defaults to `learning_rate`.
         disable_dropout (`bool`, *optional*, defaults to `True`):
@@ -397,6 +403,14 @@ class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, TwistTargetConfig):
     q_steps_per_p_step: int = field(
         default=1, metadata={"help": "Proposal updates per policy update (extra ones use fresh proposal samples)."}
     )
+    proposal_samples_per_prompt: int | None = field(
+        default=None,
+        metadata={
+            "help": "Responses the proposal samples per prompt (>= 2; default num_samples_per_prompt). Fewer cut "
+            "the proposal's rollout, its step and the negative term in proportion; the sigma-weights are normalised "
+            "over these samples and alpha keeps its meaning (see docs/repulse.md)."
+        },
+    )
     proposal_learning_rate: float | None = field(
         default=None, metadata={"help": "Learning rate of the proposal (default: learning_rate)."}
     )
@@ -428,6 +442,21 @@ class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, TwistTargetConfig):
             self.save_negdata = os.path.abspath(path if os.path.isabs(path) else os.path.join(self.output_dir, path))
 
     # ------------------------------------------------------------------------------------------- derived
+    @property
+    def proposal_num_samples(self) -> int:
+        """Samples per prompt of the proposal: ``proposal_samples_per_prompt``, else ``num_samples_per_prompt``."""
+        if self.proposal_samples_per_prompt is None:
+            return self.num_samples_per_prompt
+        return self.proposal_samples_per_prompt
+
+    @property
+    def negative_samples_per_prompt(self) -> int:
+        """Negative samples per prompt of the policy's loss: the proposal's count when its samples are the
+        negatives, else ``num_samples_per_prompt`` (the policy's own samples, or the SMC particles)."""
+        if self.uses_proposal_model and self.negative_sampler == "proposal":
+            return self.proposal_num_samples
+        return self.num_samples_per_prompt
+
     @property
     def uses_proposal_model(self) -> bool:
         """Whether a proposal model is sampled from and trained."""
@@ -545,5 +574,6 @@ class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, TwistTargetConfig):
                 f"q_steps_per_p_step={self.q_steps_per_p_step} but no proposal model is trained (loss_type="
                 f"{self.loss_type!r}, use_base_as_proposal={self.use_base_as_proposal}); set q_steps_per_p_step=1."
             )
+        check_proposal_samples(self, fail)
         if self.load_best_model_at_end:
             fail("load_best_model_at_end is not supported (there is no eval loss); set it to False.")

@@ -63,6 +63,7 @@ from .steps import (
     group,
     log_spaced_value,
     negative_sample_weights,
+    negative_term_scale,
     reward_shapings,
     stack_rollouts,
 )
@@ -180,7 +181,8 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         # kl_coef == 0 (not adaptive): p_0 is not scored (its only use besides the metrics is the KL term)
         self._generators = {"policy": self._generator(reward, None if self.kl_is_off else self.reference)}
         if proposal is not None:  # the proposal's "reference" is the current policy: its target's base
-            self._generators["proposal"] = self._generator(reward, ReferencePolicy(model=policy))
+            settings = replace(self._sampling, num_samples_per_prompt=args.proposal_num_samples)
+            self._generators["proposal"] = self._generator(reward, ReferencePolicy(model=policy), settings)
         self._negdata = self._negative_data_writer(args, policy)  # refuses a file another run (or nobody) wrote
         self._loss = get_loss_spec(args.loss_type)
         self._needs_neg_rewards = "neg_rewards" in inspect.signature(self._loss.fn).parameters
@@ -195,8 +197,8 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         self._micro_step: int | None = None  # micro-steps so far (keys the rows' streams with seed_per_row)
 
     # ------------------------------------------------------------------------------------------------ setup
-    def _generator(self, reward, reference: ReferencePolicy | None) -> RolloutGenerator:
-        return self._rollout_generator(reward, reference, policy_of=lambda m: m.acting_model())
+    def _generator(self, reward, reference: ReferencePolicy | None, settings=None) -> RolloutGenerator:
+        return self._rollout_generator(reward, reference, settings, policy_of=lambda m: m.acting_model())
 
     @property
     def _wrapper(self) -> HarmlessnessModels:
@@ -423,14 +425,15 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         """``part``'s samples (scored with the prompts' reward ``columns``); with ``seed_per_row`` from the rows' own
         streams (:meth:`rollout_row_keys`: 0: the policy, 1: the proposal, or ``stream``) keyed by the micro-step."""
         stream = stream if stream is not None else {"policy": 0, "proposal": 1}[part]
-        keys = self.rollout_row_keys(prompt_ids.shape[0], self._micro_step or 0, stream)
+        n = self._generators[part].settings.num_samples_per_prompt
+        keys = self.rollout_row_keys(prompt_ids.shape[0], self._micro_step or 0, stream, samples_per_prompt=n)
         with self._wrapper.acting_as(part):
             return self._generators[part](model, prompt_ids, prompt_mask, vision, keys, columns)
 
     def rollout(self, model: nn.Module, prompt_ids, prompt_mask, vision=None, columns=None) -> HarmlessnessRollouts:
         """Sample ``num_samples_per_prompt`` responses per left-padded prompt from the policy (scored by the
-        reward, reference ``p_0``) and, when a proposal is trained, from the proposal (reference: the current
-        policy). Both sample in eval mode; ``vision``: the prompts' image inputs, ``columns``: their reward columns
+        reward, reference ``p_0``) and, when a proposal is trained, ``proposal_samples_per_prompt`` from the
+        proposal (reference: the current policy). Both sample in eval mode; ``vision``: the prompts' image inputs, ``columns``: their reward columns
         (each passed only when there are some). Override to change how experience is collected."""
         policy = self._sample("policy", model, prompt_ids, prompt_mask, vision, columns=columns)
         proposal = None
@@ -528,7 +531,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
             batch["vision"] = rollout.vision
         with self._wrapper.acting_as("proposal"):
             return twist_loss(
-                model, batch, num_samples_per_prompt=args.num_samples_per_prompt,
+                model, batch, num_samples_per_prompt=args.proposal_num_samples,
                 parameterization=args.parameterization, loss_type=args.proposal_loss_type,
                 temperature=args.temperature, aggregation=args.loss_aggregation, reference_model=self.policy,
                 padding_free=args.padding_free,
@@ -558,6 +561,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         ``neg_rewards`` when they take it) and the current ``alpha``.
         """
         args, N, p = self.args, self.args.num_samples_per_prompt, rollouts.policy
+        M = args.negative_samples_per_prompt
         loss = self._loss
         common = {
             "baseline": args.reinforce_baseline,
@@ -579,13 +583,13 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
             "logprobs": grouped[0],
             "rewards": grouped[1],
             "mask": grouped[2],
-            "neg_logprobs": group(neg_logprobs, N),
+            "neg_logprobs": group(neg_logprobs, M),
             "neg_weights": self._last_weights,
-            "neg_mask": group(negative.response_mask, N),
-            "alpha": self.alpha,
+            "neg_mask": group(negative.response_mask, M),
+            "alpha": self.alpha * negative_term_scale(args),
             "alpha_convention": args.alpha_convention,
             **common,
         }
         if self._needs_neg_rewards and neg_rewards is not None:  # loss-specific: only for losses naming it
-            kwargs["neg_rewards"] = group(neg_rewards, N)
+            kwargs["neg_rewards"] = group(neg_rewards, M)
         return loss.call(**kwargs)

@@ -74,6 +74,7 @@ class HarmlessnessTrainerIO:
             or type(reward).__name__,
             "loss_type": args.loss_type,
             "num_samples_per_prompt": args.num_samples_per_prompt,
+            "proposal_samples_per_prompt": args.proposal_num_samples,
             "response_length": args.response_length,
             "temperature": args.temperature,
             "seed": args.seed,

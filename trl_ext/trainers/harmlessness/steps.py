@@ -23,6 +23,7 @@ __all__ = [
     "group",
     "log_spaced_value",
     "negative_sample_weights",
+    "negative_term_scale",
     "reward_shapings",
     "sample_metrics",
     "stack_rollouts",
@@ -97,12 +98,14 @@ def negative_sample_weights(
     of B1): ``softmax_N(Σ_t log p_θ(s̃_t) + log φ(s̃) − Σ_t log q_old(s̃_t))`` per prompt, or uniform, times the
     indicator with ``indicator_mask``. The samples are the proposal's, or the policy's own with
     ``use_base_as_proposal``; ``weight_logprobs``: ``(B, T)`` ``log p_θ`` on them; ``args``: the
-    `HarmlessnessConfig`."""
-    N = args.num_samples_per_prompt
+    `HarmlessnessConfig`. The weights of a prompt are normalised over its negatives: the policy's
+    ``num_samples_per_prompt`` or the proposal's ``proposal_samples_per_prompt``."""
     if args.use_base_as_proposal:
         rollout, log_phi = rollouts.policy, rewards.policy_log_phi
+        N = args.num_samples_per_prompt
     else:
         rollout, log_phi = rollouts.proposal, rewards.proposal_log_phi
+        N = args.proposal_num_samples
     if args.separate_reweighting_beta is not None:
         log_phi = args.separate_reweighting_beta * rollout.scores.float()
     return sigma_weights(
@@ -110,6 +113,21 @@ def negative_sample_weights(
         indicator_threshold=ORIGINAL_INDICATOR_THRESHOLD if args.indicator_mask else None,
         uniform=args.uniform_reweight,
     )  # fmt: skip
+
+
+def negative_term_scale(args) -> float:
+    """Factor on ``alpha`` that keeps the negative term's size when the proposal draws ``M`` samples per prompt and
+    the policy ``N`` (``proposal_samples_per_prompt``): ``M / N`` with ``alpha_convention="reference"``, 1 otherwise.
+
+    With the ``"reference"`` convention the negative term is ``α`` times the mean over the batch's negatives of
+    ``w·log p_θ(s̃)`` (σ-weights ``w`` summing to 1 per prompt), i.e. ``α / (P·M) · Σ_x Ê_σ[log p_θ]``: with
+    ``M < N`` it would grow by ``N / M``. Scaling by ``M / N`` gives ``α / (P·N) · Σ_x Ê_σ[log p_θ]``, the term
+    of equal counts (exactly for the sequence-mean aggregations, in expectation over lengths for ``token-mean``).
+    The ``"expectation"`` convention multiplies by the number of negatives inside the loss, so its term does not
+    depend on ``M``."""
+    if args.alpha_convention != "reference":
+        return 1.0
+    return args.negative_samples_per_prompt / args.num_samples_per_prompt
 
 
 def stack_rollouts(rollouts: list[Rollout]) -> tuple[torch.Tensor, torch.Tensor, int]:
