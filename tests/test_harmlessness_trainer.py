@@ -529,8 +529,12 @@ def test_metrics_of_a_step(tmp_path):
         assert f"proposal/{key}" in logs, key
     for key in ("loss/policy", "loss/proposal", "loss/neg", "p_bad", "beta", "alpha", "proposal/learning_rate",
                 "timing/generation_policy", "timing/generation_proposal", "timing/proposal_step",
-                "timing/policy_step"):  # fmt: skip
+                "timing/policy_step", "timing/sampling_policy", "timing/scoring_policy", "timing/sampling_proposal",
+                "timing/scoring_proposal", "timing/proposal_optimizer"):  # fmt: skip
         assert key in logs, key
+    for part in ("policy", "proposal"):  # the generation time is its two parts
+        total = logs[f"timing/sampling_{part}"] + logs[f"timing/scoring_{part}"]
+        assert logs[f"timing/generation_{part}"] == pytest.approx(total, rel=1e-6)
     assert logs["base/logprob_diff"] < 1e-4 and logs["proposal/logprob_diff"] < 1e-4  # sampling == training
     assert 1.0 <= logs["proposal/ess"] <= 8.0 and 0.0 <= logs["p_bad"] <= 1.0
     assert logs["proposal/learning_rate"] == pytest.approx(1e-2) and logs["learning_rate"] == pytest.approx(3e-3)

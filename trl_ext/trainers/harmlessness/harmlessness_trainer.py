@@ -269,7 +269,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
         extras = rollout_inputs(inputs, device)  # images, reward columns
         scale = 1.0 / self.current_gradient_accumulation_steps
-        self._timings = {"proposal_step": 0.0, "policy_step": 0.0}
+        self._timings = {"proposal_step": 0.0, "policy_step": 0.0, "proposal_optimizer": 0.0}
         for extra in range(args.q_steps_per_p_step - 1):
             self._proposal_only_step(model, prompt_ids, prompt_mask, **extras, stream=2 + extra)
         rollouts = self.rollout(model, prompt_ids, prompt_mask, **extras)
@@ -391,6 +391,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
     def _step_only(self, part: str) -> None:
         """Clip (``max_grad_norm``) and step the parameters of one model; the other model's gradients are set
         aside meanwhile and this model's are cleared afterwards."""
+        start = time.perf_counter()
         trained = self._trained_params()
         params = trained[part]
         others = [p for name, ps in trained.items() if name != part for p in ps]
@@ -408,6 +409,9 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
                 p.grad = None
             for p, grad in stashed:
                 p.grad = grad
+            if part == "proposal":
+                elapsed = time.perf_counter() - start
+                self._timings["proposal_optimizer"] = self._timings.get("proposal_optimizer", 0.0) + elapsed
 
     @torch.no_grad()
     def _policy_logprobs(self, rollout: Rollout) -> torch.Tensor:
@@ -433,8 +437,9 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
     def rollout(self, model: nn.Module, prompt_ids, prompt_mask, vision=None, columns=None) -> HarmlessnessRollouts:
         """Sample ``num_samples_per_prompt`` responses per left-padded prompt from the policy (scored by the
         reward, reference ``p_0``) and, when a proposal is trained, ``proposal_samples_per_prompt`` from the
-        proposal (reference: the current policy). Both sample in eval mode; ``vision``: the prompts' image inputs, ``columns``: their reward columns
-        (each passed only when there are some). Override to change how experience is collected."""
+        proposal (reference: the current policy). Both sample in eval mode; ``vision``: the prompts' image
+        inputs, ``columns``: their reward columns (each passed only when there are some). Override to change how
+        experience is collected."""
         policy = self._sample("policy", model, prompt_ids, prompt_mask, vision, columns=columns)
         proposal = None
         if self.proposal is not None:

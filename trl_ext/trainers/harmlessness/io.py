@@ -206,9 +206,12 @@ class HarmlessnessTrainerIO:
         samples += rollouts.policy.batch_size * self.accelerator.num_processes
         self._kl_accumulator = (kl_sum + kl, micro_steps + 1, samples)
         self._metrics.scalars["base/kl_coef"] = kl_coef
-        self._metrics.add("timing/generation_policy", sum(rollouts.policy.timings.values()))
-        if rollouts.proposal is not None:
-            self._metrics.add("timing/generation_proposal", sum(rollouts.proposal.timings.values()))
+        for part, rollout in (("policy", rollouts.policy), ("proposal", rollouts.proposal)):
+            if rollout is None:
+                continue
+            self._metrics.add(f"timing/generation_{part}", sum(rollout.timings.values()))
+            for key, seconds in rollout.timings.items():  # "generation" (sampling) and "scoring"
+                self._metrics.add(f"timing/{'sampling' if key == 'generation' else key}_{part}", seconds)
         for key, seconds in self._timings.items():
             self._metrics.add(f"timing/{key}", seconds)
         self._metrics.scalars.update(beta=self.beta, alpha=self.alpha)
