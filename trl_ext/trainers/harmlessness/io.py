@@ -213,7 +213,8 @@ class HarmlessnessTrainerIO:
             for key, seconds in rollout.timings.items():  # "generation" (sampling) and "scoring"
                 self._metrics.add(f"timing/{'sampling' if key == 'generation' else key}_{part}", seconds)
         for key, seconds in self._timings.items():
-            self._metrics.add(f"timing/{key}", seconds)
+            if rollouts.proposal is not None or not key.startswith("proposal"):  # no proposal: no proposal timings
+                self._metrics.add(f"timing/{key}", seconds)
         self._metrics.scalars.update(beta=self.beta, alpha=self.alpha)
         log_reward_components(self._metrics, rollouts.policy, self.accelerator.gather)  # a list: rewards/<name>/*
         if rollouts.proposal is not None:

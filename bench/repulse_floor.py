@@ -1,0 +1,163 @@
+"""Bare versions of the parts of a RePULSe / REINFORCE update, for `repulse_speed.py --floor`.
+
+Each part of an update is timed again as the plainest code that does the same work on the same rows, with nothing of
+trl_ext's around it:
+
+- ``sampling``: prefill every row's prompt, then ``T − 1`` cached decode steps, each a forward of the new token and
+  a multinomial draw at temperature 1 (a bare loop of cached forwards: what any sampler must do; ours may beat it
+  by running each shared prompt once);
+- ``scoring``: a no-grad forward of the other model (``p_0`` for the policy's rows, ``p_θ`` for the proposal's) on
+  prompt + response and the gather of the response tokens' log-probs, then the reward on the decoded texts;
+- ``step``: a forward with gradient of the trained model on prompt + response, the sum of the response tokens'
+  log-probs (weighted by random constants, as a loss is) and its backward (only the top blocks are trainable, as in
+  the runs); the policy's step runs on its own rows plus the proposal's in RePULSe;
+- ``optimizer``: one AdamW step of the trainable parameters (their gradients set).
+
+Every part is timed ``repeats`` times after a warm-up, and the median is kept. `floor_of` adds a method's parts up.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import torch
+
+__all__ = ["bare_parts", "floor_of"]
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _rows(tokenizer, prompts: list[str], samples: int):
+    """Left-padded ``(B, P)`` ids and mask of ``prompts``, each repeated ``samples`` times."""
+    enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    return enc["input_ids"].repeat_interleave(samples, 0), enc["attention_mask"].repeat_interleave(samples, 0)
+
+
+@torch.no_grad()
+def bare_sample(model, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, generator=None):
+    """``(B, T)`` sampled tokens (temperature 1, no stop): a prefill and ``T − 1`` cached decode steps."""
+    from transformers import DynamicCache
+
+    from trl_ext.models.kv_cache import cache_kwargs, output_cache
+    from trl_ext.ops.sequences import position_ids_from_attention_mask
+
+    positions = position_ids_from_attention_mask(mask)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+                **cache_kwargs(DynamicCache(config=model.config)))  # fmt: skip
+    tokens = []
+    for step in range(new_tokens):
+        probs = torch.softmax(out.logits[:, -1].float(), -1)
+        token = torch.multinomial(probs, 1, generator=generator)
+        tokens.append(token)
+        if step == new_tokens - 1:
+            break
+        mask = torch.cat([mask, torch.ones_like(token)], 1)
+        positions = positions[:, -1:] + 1
+        out = model(input_ids=token, attention_mask=mask, position_ids=positions, use_cache=True,
+                    **cache_kwargs(output_cache(out)))  # fmt: skip
+    return torch.cat(tokens, 1)
+
+
+def _response_logprobs(model, ids, mask, new_tokens: int) -> torch.Tensor:
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, -new_tokens - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, -new_tokens:, None]).squeeze(-1)
+
+
+def bare_parts(
+    policy,
+    tokenizer,
+    reward,
+    prompts: list[str],
+    *,
+    samples: int,
+    proposal_samples: int,
+    new_tokens: int,
+    trainable_layers: int,
+    with_reference: bool,
+    repeats: int = 3,
+) -> dict[str, float]:
+    """Median seconds of each bare part on the shape of one update (``prompts`` × ``samples`` policy rows and
+    ``prompts`` × ``proposal_samples`` proposal rows of ``new_tokens`` tokens). ``policy`` is copied three times
+    (policy and proposal trained on their top ``trainable_layers`` blocks, a frozen reference);
+    ``with_reference=False`` (``kl_coef = 0``): the policy's rows are not scored by ``p_0``, as in the trainer."""
+    from trl_ext.models.freeze import train_top_layers
+
+    models = {name: copy.deepcopy(policy).eval() for name in ("policy", "proposal", "reference")}
+    for name in ("policy", "proposal"):
+        train_top_layers(models[name], trainable_layers)
+    models["reference"].requires_grad_(False)
+    generator = torch.Generator().manual_seed(0)
+    out: dict[str, float] = {}
+    rows = {"policy": _rows(tokenizer, prompts, samples), "proposal": _rows(tokenizer, prompts, proposal_samples)}
+    full = {}
+    for part, (ids, mask) in rows.items():
+        sampler = models[part]
+        out[f"sampling_{part}"] = _median_seconds(
+            lambda sampler=sampler, ids=ids, mask=mask: bare_sample(sampler, ids, mask, new_tokens, generator), repeats
+        )
+        responses = bare_sample(models[part], ids, mask, new_tokens, generator)
+        full[part] = (torch.cat([ids, responses], 1), torch.cat([mask, torch.ones_like(responses)], 1))
+        texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+        prompt_texts = [p for p in prompts for _ in range(ids.shape[0] // len(prompts))]
+        other = models["reference" if part == "policy" else "policy"]
+
+        forward = part == "proposal" or with_reference  # the proposal's rows always get log p_θ (the weights)
+
+        def score(part=part, other=other, texts=texts, prompt_texts=prompt_texts, forward=forward):
+            if forward:
+                with torch.no_grad():
+                    _response_logprobs(other, *full[part], new_tokens)
+            reward(prompt_texts, texts)
+
+        out[f"scoring_{part}"] = _median_seconds(score, repeats)
+
+    def step(model, parts):
+        ids = torch.cat([full[p][0] for p in parts]) if len(parts) > 1 else full[parts[0]][0]
+        mask = torch.cat([full[p][1] for p in parts]) if len(parts) > 1 else full[parts[0]][1]
+        weights = torch.randn(ids.shape[0], new_tokens, generator=generator)
+
+        def run():
+            model.zero_grad(set_to_none=True)
+            (weights * _response_logprobs(model, ids, mask, new_tokens)).mean().backward()
+
+        return run
+
+    out["policy_step_reinforce"] = _median_seconds(step(models["policy"], ["policy"]), repeats)
+    out["policy_step"] = _median_seconds(step(models["policy"], ["policy", "proposal"]), repeats)
+    out["proposal_step"] = _median_seconds(step(models["proposal"], ["proposal"]), repeats)
+    trainable = [p for p in models["policy"].parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-6)
+    step(models["policy"], ["policy"])()  # gradients to step with
+    out["optimizer"] = _median_seconds(optimizer.step, repeats)
+    return out
+
+
+def floor_of(method: str, parts: dict[str, float]) -> dict[str, float]:
+    """The bare parts of one ``method``'s update (``"REINFORCE"`` or ``"RePULSe"``), by the trainer's phase names;
+    their sum is the update's floor."""
+    if method == "REINFORCE":
+        return {
+            "sampling_policy": parts["sampling_policy"],
+            "scoring_policy": parts["scoring_policy"],
+            "policy_step": parts["policy_step_reinforce"],
+            "optimizer": parts["optimizer"],
+        }
+    return {
+        "sampling_policy": parts["sampling_policy"],
+        "scoring_policy": parts["scoring_policy"],
+        "sampling_proposal": parts["sampling_proposal"],
+        "scoring_proposal": parts["scoring_proposal"],
+        "proposal_step": parts["proposal_step"],
+        "policy_step": parts["policy_step"],
+        "optimizer": 2 * parts["optimizer"],
+    }
