@@ -5,13 +5,15 @@ How it sits on `Trainer`: the policy and the proposal are one module (:class:`Ha
 optimizer holding a parameter group per model. One `Trainer` optimizer step is one outer step
 (docs/algorithms.md §9.3); each micro-step of it takes a fresh batch of prompts and
 
-1. samples ``N`` responses per prompt from ``p_θ`` (reference ``p_0``) and, when a proposal is trained, ``N`` from
-   ``q_ξ`` (reference: the current ``p_θ``), both in eval mode (:meth:`rollout`);
+1. samples ``N`` responses per prompt from ``p_θ`` (reference ``p_0``) and, when a proposal is trained, ``M``
+   (``proposal_samples_per_prompt``, default ``N``) from ``q_ξ`` (reference: the current ``p_θ``), both in eval
+   mode (:meth:`rollout`);
 2. turns the raw rewards into the policy's return and the target's ``log φ = β·R`` (:meth:`compute_rewards`);
 3. ``order="q_then_p"`` (default): back-propagates the proposal's twist loss (:meth:`compute_proposal_loss`), then
    the policy's loss (:meth:`compute_policy_loss`) — the policy loss's inputs do not depend on ``q``'s update, so
-   this is exactly "q-step, then p-step"; ``order="p_then_q"``: the policy is updated first and the proposal's
-   reference log-probs are recomputed with the updated policy.
+   this is exactly "q-step, then p-step" (the policy's forward runs first and also gives the proposal's reference
+   log-probs, :meth:`_fuses_negative_forward`); ``order="p_then_q"``: the policy is updated first and the
+   proposal's reference log-probs are recomputed with the updated policy.
 
 Gradient clipping is per model: whenever both models have gradients, the trainer clips and steps one of them itself
 (the proposal with ``q_then_p``, the policy with ``p_then_q``) with ``max_grad_norm`` and leaves the other to
@@ -57,6 +59,7 @@ from .harmlessness_config import HarmlessnessConfig
 from .io import HarmlessnessTrainerIO
 from .models import HarmlessnessModels, build_harmlessness_models, parameter_groups
 from .smc_negatives import SMCNegatives, smc_negatives
+from .stepping import TwoModelStepping
 from .steps import (
     HarmlessnessRewards,
     HarmlessnessRollouts,
@@ -73,7 +76,7 @@ __all__ = ["HarmlessnessTrainer"]
 logger = logging.getLogger(__name__)
 
 
-class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTrainer):
+class HarmlessnessTrainer(HarmlessnessTrainerIO, TwoModelStepping, OnlineTrainerMixin, _BaseTrainer):
     """Trainer for RePULSe and its baselines (REINFORCE, reward transforms, the ``p_θ``-proposal ablation).
 
     Args:
@@ -183,6 +186,8 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         if proposal is not None:  # the proposal's "reference" is the current policy: its target's base
             settings = replace(self._sampling, num_samples_per_prompt=args.proposal_num_samples)
             self._generators["proposal"] = self._generator(reward, ReferencePolicy(model=policy), settings)
+            # without the no-grad log p_θ pass, for the steps whose policy forward provides it (`_fuses_...`)
+            self._generators["proposal_unscored"] = self._generator(reward, None, settings)
         self._negdata = self._negative_data_writer(args, policy)  # refuses a file another run (or nobody) wrote
         self._loss = get_loss_spec(args.loss_type)
         self._needs_neg_rewards = "neg_rewards" in inspect.signature(self._loss.fn).parameters
@@ -195,6 +200,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         self._ptx = build_ptx(args, pretrain_dataset, self.tokenizer, type(self).__name__)
         self._last_ptx: torch.Tensor | None = None
         self._micro_step: int | None = None  # micro-steps so far (keys the rows' streams with seed_per_row)
+        self._fusing = False  # inside a step whose policy forward scores the proposal's samples
 
     # ------------------------------------------------------------------------------------------------ setup
     def _generator(self, reward, reference: ReferencePolicy | None, settings=None) -> RolloutGenerator:
@@ -272,8 +278,17 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         self._timings = {"proposal_step": 0.0, "policy_step": 0.0, "proposal_optimizer": 0.0}
         for extra in range(args.q_steps_per_p_step - 1):
             self._proposal_only_step(model, prompt_ids, prompt_mask, **extras, stream=2 + extra)
-        rollouts = self.rollout(model, prompt_ids, prompt_mask, **extras)
+        self._fusing = self._fuses_negative_forward()
+        try:
+            rollouts = self.rollout(model, prompt_ids, prompt_mask, **extras)
+        finally:
+            self._fusing, fused = False, self._fusing
         self._update_policy_reward_normalizer(rollouts.policy)
+        forward = None
+        if fused:  # the policy's forward first: its log p_θ on q's samples are q's reference log-probs
+            forward = self._policy_forward(model, rollouts)
+            q = rollouts.proposal
+            q.ref_logprobs = torch.where(q.response_mask != 0, forward[1].detach(), torch.zeros_like(q.logprobs))
         rewards = self.compute_rewards(rollouts)
         self._save_negative_data(rollouts)
         q_out = None
@@ -286,7 +301,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
             q_out = self._proposal_backward(model, rollouts.proposal, rewards.proposal_log_phi, scale)
             if self.accelerator.sync_gradients:
                 self._step_only("proposal")
-            p_out, p_lp = self._policy_backward(model, rollouts, rewards, scale)
+            p_out, p_lp = self._policy_backward(model, rollouts, rewards, scale, forward=forward)
         else:  # p_then_q: update p, then train q towards the updated p (Trainer steps q after this)
             p_out, p_lp = self._policy_backward(model, rollouts, rewards, scale)
             self._step_only("policy")
@@ -333,12 +348,10 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         self._timings["proposal_step"] += time.perf_counter() - start
         return out
 
-    def _policy_backward(
-        self, model: nn.Module, rollouts: HarmlessnessRollouts, rewards: HarmlessnessRewards, scale: float,
-        extra_loss: torch.Tensor | None = None,
-    ) -> tuple[LossOutput, torch.Tensor]:  # fmt: skip
-        """Forward ``p_θ`` (with gradient, one pass over its own and the proposal's samples), the policy loss and
-        its backward pass. Returns the loss and the detached log-probs of the policy's samples."""
+    def _policy_forward(self, model: nn.Module, rollouts: HarmlessnessRollouts):
+        """``(policy_lp, neg_lp, negatives)``: ``p_θ``'s log-probs, with gradient, on its samples and on the
+        negatives (the proposal's samples or the SMC particles; ``policy_lp`` again without negatives), from one
+        forward pass over both; its time counts as ``timing/policy_step``."""
         start = time.perf_counter()
         parts = [rollouts.policy]
         if rollouts.proposal is not None and self.args.uses_negative_samples:
@@ -353,9 +366,20 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         B, T_p = rollouts.policy.batch_size, rollouts.policy.response_length
         policy_lp = logprobs[:B, :T_p]
         neg_lp = logprobs[B:, : parts[-1].response_length] if len(parts) > 1 else policy_lp
+        self._timings["policy_step"] += time.perf_counter() - start
+        return policy_lp, neg_lp, parts[-1]
+
+    def _policy_backward(
+        self, model: nn.Module, rollouts: HarmlessnessRollouts, rewards: HarmlessnessRewards, scale: float,
+        extra_loss: torch.Tensor | None = None, forward=None,
+    ) -> tuple[LossOutput, torch.Tensor]:  # fmt: skip
+        """The policy forward (:meth:`_policy_forward`, unless ``forward`` holds it already), the policy loss and
+        its backward pass. Returns the loss and the detached log-probs of the policy's samples."""
+        policy_lp, neg_lp, negatives = self._policy_forward(model, rollouts) if forward is None else forward
+        start = time.perf_counter()
         weight_lp = None
         if self.args.uses_negative_samples:
-            weight_lp = neg_lp.detach() if self.args.disable_dropout else self._policy_logprobs(parts[-1])
+            weight_lp = neg_lp.detach() if self.args.disable_dropout else self._policy_logprobs(negatives)
         out = self.compute_policy_loss(policy_lp, rollouts, rewards, neg_logprobs=neg_lp, weight_logprobs=weight_lp)
         loss = out.loss if self._ptx is None else out.loss + self.compute_ptx_loss()
         loss = loss * scale + (extra_loss if extra_loss is not None else 0.0)
@@ -375,44 +399,6 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         self._last_ptx = out.loss.detach()
         return self._ptx.coef * out.loss
 
-    def _backward(self, loss: torch.Tensor) -> None:
-        # Losses are already divided by the accumulation steps here; DeepSpeed must not divide again.
-        kwargs = {"scale_wrt_gas": False} if self.is_deepspeed_enabled else {}
-        self.accelerator.backward(loss, **kwargs)
-
-    def _trained_params(self) -> dict[str, list[nn.Parameter]]:
-        """``{"policy": [...], "proposal": [...]}``: the trainable parameters of each model as the trained module
-        holds them *now* (FSDP2 replaces the parameters by sharded ones when the model is prepared, so a list taken
-        at construction would name stale tensors)."""
-        wrapper = self._wrapper
-        modules = (("policy", wrapper.policy), ("proposal", wrapper.proposal))
-        return {name: [p for p in m.parameters() if p.requires_grad] for name, m in modules if m is not None}
-
-    def _step_only(self, part: str) -> None:
-        """Clip (``max_grad_norm``) and step the parameters of one model; the other model's gradients are set
-        aside meanwhile and this model's are cleared afterwards."""
-        start = time.perf_counter()
-        trained = self._trained_params()
-        params = trained[part]
-        others = [p for name, ps in trained.items() if name != part for p in ps]
-        stashed = [(p, p.grad) for p in others if p.grad is not None]
-        for p, _ in stashed:
-            p.grad = None
-        try:
-            max_norm = self.args.max_grad_norm if self.args.max_grad_norm and self.args.max_grad_norm > 0 else None
-            norm = self.accelerator.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
-            if norm is not None:
-                self._metrics.add(f"grad_norm/{part}", norm)
-            self.optimizer.step()
-        finally:
-            for p in params:
-                p.grad = None
-            for p, grad in stashed:
-                p.grad = grad
-            if part == "proposal":
-                elapsed = time.perf_counter() - start
-                self._timings["proposal_optimizer"] = self._timings.get("proposal_optimizer", 0.0) + elapsed
-
     @torch.no_grad()
     def _policy_logprobs(self, rollout: Rollout) -> torch.Tensor:
         """``log p_θ`` of the current policy on ``rollout``'s samples, no gradient, eval mode (chunked)."""
@@ -425,14 +411,18 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         return rollout_logprobs(model, rollout, self.args.local_rollout_forward_batch_size, self.args.temperature)
 
     # ------------------------------------------------------------------------------------------ public hooks
-    def _sample(self, part: str, model, prompt_ids, prompt_mask, vision=None, stream=None, columns=None) -> Rollout:
+    def _sample(
+        self, part: str, model, prompt_ids, prompt_mask, vision=None, stream=None, columns=None, generator=None
+    ) -> Rollout:
         """``part``'s samples (scored with the prompts' reward ``columns``); with ``seed_per_row`` from the rows' own
-        streams (:meth:`rollout_row_keys`: 0: the policy, 1: the proposal, or ``stream``) keyed by the micro-step."""
+        streams (:meth:`rollout_row_keys`: 0: the policy, 1: the proposal, or ``stream``) keyed by the micro-step.
+        ``generator``: the name of the rollout generator (default ``part``)."""
         stream = stream if stream is not None else {"policy": 0, "proposal": 1}[part]
-        n = self._generators[part].settings.num_samples_per_prompt
+        sampler = self._generators[generator or part]
+        n = sampler.settings.num_samples_per_prompt
         keys = self.rollout_row_keys(prompt_ids.shape[0], self._micro_step or 0, stream, samples_per_prompt=n)
         with self._wrapper.acting_as(part):
-            return self._generators[part](model, prompt_ids, prompt_mask, vision, keys, columns)
+            return sampler(model, prompt_ids, prompt_mask, vision, keys, columns)
 
     def rollout(self, model: nn.Module, prompt_ids, prompt_mask, vision=None, columns=None) -> HarmlessnessRollouts:
         """Sample ``num_samples_per_prompt`` responses per left-padded prompt from the policy (scored by the
@@ -443,7 +433,10 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
         policy = self._sample("policy", model, prompt_ids, prompt_mask, vision, columns=columns)
         proposal = None
         if self.proposal is not None:
-            proposal = self._sample("proposal", model, prompt_ids, prompt_mask, vision, columns=columns)
+            generator = "proposal_unscored" if self._fusing else "proposal"
+            proposal = self._sample(
+                "proposal", model, prompt_ids, prompt_mask, vision, columns=columns, generator=generator
+            )
         rollouts = HarmlessnessRollouts(policy=policy, proposal=proposal)
         if self.args.negative_sampler == "smc":  # (image inputs are refused at construction)
             drawn = self.sample_negatives(prompt_ids, prompt_mask)
@@ -539,7 +532,7 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, OnlineTrainerMixin, _BaseTraine
                 model, batch, num_samples_per_prompt=args.proposal_num_samples,
                 parameterization=args.parameterization, loss_type=args.proposal_loss_type,
                 temperature=args.temperature, aggregation=args.loss_aggregation, reference_model=self.policy,
-                padding_free=args.padding_free,
+                padding_free=args.padding_free, return_entropy=False,  # (q's entropy is not logged here)
             )  # fmt: skip
 
     def neg_weights(
