@@ -19,6 +19,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import functools
+import importlib
 import logging
 import os
 from collections.abc import Iterator
@@ -97,18 +98,29 @@ def evaluates_with_ema(method):
     return wrapper
 
 
+def _http_transport_errors() -> tuple[type[BaseException], ...]:
+    """The transport-error classes of the HTTP clients huggingface_hub may use: ``httpx`` (huggingface_hub 1.x)
+    and ``httpx2`` (2.x), whichever are installed."""
+    errors = []
+    for name in ("httpx", "httpx2"):
+        try:
+            errors.append(importlib.import_module(name).TransportError)
+        except (ImportError, AttributeError):
+            continue
+    return tuple(errors)
+
+
 @contextlib.contextmanager
 def hub_push_errors(trainer, creating: bool = False) -> Iterator[None]:
     """Turn a Hub that cannot be reached during a push (no network, ``HF_HUB_OFFLINE=1``) into a `ConnectionError`
     that names the repository and the folder the model is saved in, instead of httpx's bare "Connection refused".
     ``creating``: the repository is being created, before training (nothing is saved yet)."""
-    import httpx
     from huggingface_hub import constants
     from huggingface_hub.errors import OfflineModeIsEnabled
 
     try:
         yield
-    except (httpx.TransportError, OfflineModeIsEnabled) as err:
+    except (*_http_transport_errors(), OfflineModeIsEnabled) as err:
         offline = isinstance(err, OfflineModeIsEnabled)
         reason = "offline mode is on: HF_HUB_OFFLINE=1" if offline else f"{type(err).__name__}: {err}"
         output_dir = trainer.args.output_dir
