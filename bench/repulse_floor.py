@@ -3,14 +3,16 @@
 Each part of an update is timed again as the plainest code that does the same work on the same rows, with nothing of
 trl_ext's around it:
 
-- ``sampling``: prefill every row's prompt, then ``T − 1`` cached decode steps, each a forward of the new token and
-  a multinomial draw at temperature 1 (a bare loop of cached forwards: what any sampler must do; ours may beat it
-  by running each shared prompt once);
+- ``sampling``: prefill each distinct prompt once and copy its cache to its samples (as ours does), then ``T − 1``
+  cached decode steps, each a forward of the new token and a multinomial draw at temperature 1 (a bare loop of
+  cached forwards: what any sampler must do);
 - ``scoring``: a no-grad forward of the other model (``p_0`` for the policy's rows, ``p_θ`` for the proposal's) on
-  prompt + response and the gather of the response tokens' log-probs, then the reward on the decoded texts;
-- ``step``: a forward with gradient of the trained model on prompt + response, the sum of the response tokens'
-  log-probs (weighted by random constants, as a loss is) and its backward (only the top blocks are trainable, as in
-  the runs); the policy's step runs on its own rows plus the proposal's in RePULSe;
+  prompt + response, logits only at the response positions (``logits_to_keep``), and the gather of the response
+  tokens' log-probs, then the reward on the decoded texts (ours also runs each prompt once here, bare does not);
+- ``step``: a forward with gradient of the trained model on prompt + response (logits at the response positions
+  only), the sum of the response tokens' log-probs (weighted by random constants, as a loss is) and its backward
+  (only the top blocks are trainable, as in the runs); the policy's step runs on its own rows plus the proposal's in
+  RePULSe;
 - ``optimizer``: one AdamW step of the trainable parameters (their gradients set).
 
 Every part is timed ``repeats`` times after a warm-up, and the median is kept. `floor_of` adds a method's parts up.
@@ -37,15 +39,17 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _rows(tokenizer, prompts: list[str], samples: int):
-    """Left-padded ``(B, P)`` ids and mask of ``prompts``, each repeated ``samples`` times."""
-    enc = tokenizer(prompts, return_tensors="pt", padding=True)
-    return enc["input_ids"].repeat_interleave(samples, 0), enc["attention_mask"].repeat_interleave(samples, 0)
+def _rows(tokenizer, prompts: list[str]):
+    """Left-padded ``(P, L)`` ids and mask of the distinct ``prompts`` (in order)."""
+    distinct = list(dict.fromkeys(prompts))
+    enc = tokenizer(distinct, return_tensors="pt", padding=True)
+    return enc["input_ids"], enc["attention_mask"], len(prompts) // len(distinct)
 
 
 @torch.no_grad()
-def bare_sample(model, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, generator=None):
-    """``(B, T)`` sampled tokens (temperature 1, no stop): a prefill and ``T − 1`` cached decode steps."""
+def bare_sample(model, ids: torch.Tensor, mask: torch.Tensor, samples: int, new_tokens: int, generator=None):
+    """``(P·samples, T)`` sampled tokens (temperature 1, no stop): a prefill of the ``P`` prompts, their cache copied
+    to ``samples`` rows each, and ``T − 1`` cached decode steps."""
     from transformers import DynamicCache
 
     from trl_ext.models.kv_cache import cache_kwargs, output_cache
@@ -54,9 +58,13 @@ def bare_sample(model, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, g
     positions = position_ids_from_attention_mask(mask)
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
                 **cache_kwargs(DynamicCache(config=model.config)))  # fmt: skip
+    cache = output_cache(out)
+    cache.batch_repeat_interleave(samples)
+    logits = out.logits[:, -1].repeat_interleave(samples, 0)
+    mask, positions = mask.repeat_interleave(samples, 0), positions.repeat_interleave(samples, 0)
     tokens = []
     for step in range(new_tokens):
-        probs = torch.softmax(out.logits[:, -1].float(), -1)
+        probs = torch.softmax(logits.float(), -1)
         token = torch.multinomial(probs, 1, generator=generator)
         tokens.append(token)
         if step == new_tokens - 1:
@@ -64,12 +72,13 @@ def bare_sample(model, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, g
         mask = torch.cat([mask, torch.ones_like(token)], 1)
         positions = positions[:, -1:] + 1
         out = model(input_ids=token, attention_mask=mask, position_ids=positions, use_cache=True,
-                    **cache_kwargs(output_cache(out)))  # fmt: skip
+                    **cache_kwargs(cache))  # fmt: skip
+        cache, logits = output_cache(out), out.logits[:, -1]
     return torch.cat(tokens, 1)
 
 
 def _response_logprobs(model, ids, mask, new_tokens: int) -> torch.Tensor:
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, -new_tokens - 1 : -1].float()
+    logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=new_tokens + 1).logits[:, :-1].float()
     return torch.log_softmax(logits, -1).gather(-1, ids[:, -new_tokens:, None]).squeeze(-1)
 
 
@@ -98,17 +107,19 @@ def bare_parts(
     models["reference"].requires_grad_(False)
     generator = torch.Generator().manual_seed(0)
     out: dict[str, float] = {}
-    rows = {"policy": _rows(tokenizer, prompts, samples), "proposal": _rows(tokenizer, prompts, proposal_samples)}
+    ids, mask, repeat = _rows(tokenizer, prompts)  # distinct prompts; each appears `repeat` times in `prompts`
     full = {}
-    for part, (ids, mask) in rows.items():
+    for part, per_prompt in (("policy", samples), ("proposal", proposal_samples)):
+        n = per_prompt * repeat
         sampler = models[part]
         out[f"sampling_{part}"] = _median_seconds(
-            lambda sampler=sampler, ids=ids, mask=mask: bare_sample(sampler, ids, mask, new_tokens, generator), repeats
+            lambda sampler=sampler, n=n: bare_sample(sampler, ids, mask, n, new_tokens, generator), repeats
         )
-        responses = bare_sample(models[part], ids, mask, new_tokens, generator)
-        full[part] = (torch.cat([ids, responses], 1), torch.cat([mask, torch.ones_like(responses)], 1))
+        responses = bare_sample(models[part], ids, mask, n, new_tokens, generator)
+        rows_ids, rows_mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
+        full[part] = (torch.cat([rows_ids, responses], 1), torch.cat([rows_mask, torch.ones_like(responses)], 1))
         texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-        prompt_texts = [p for p in prompts for _ in range(ids.shape[0] // len(prompts))]
+        prompt_texts = tokenizer.batch_decode(rows_ids, skip_special_tokens=True)
         other = models["reference" if part == "policy" else "policy"]
 
         forward = part == "proposal" or with_reference  # the proposal's rows always get log p_θ (the weights)

@@ -224,6 +224,7 @@ def run_method(name: str, base_model, tokenizer, reward, prompts: list[str], arg
         for quiet in (ProgressCallback, PrinterCallback):  # no progress bar, no printed log dicts
             trainer.pop_callback(quiet)
         trainer.print_run_summary = False
+        trainer.fuse_negative_forward = not args.no_fuse
         gc.collect()
         load = os.getloadavg()[0]
         start, cpu_start = time.perf_counter(), _cpu_seconds()
@@ -403,6 +404,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chat-template", action="store_true", help="prompts as user messages (chat template)")
     p.add_argument(
         "--no-shared-prefix", action="store_true", help="shared_prefix_rollouts=False: every sample's prompt re-run"
+    )
+    p.add_argument(
+        "--no-fuse", action="store_true", help="RePULSe: a separate no-grad p_θ pass over q's samples (as before)"
     )
     p.add_argument("--floor", action="store_true", help="also time every phase as bare code (repulse_floor.py)")
     p.add_argument("--floor-repeats", type=int, default=3, help="timings per bare part, median kept (default 3)")
