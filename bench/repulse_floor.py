@@ -153,9 +153,10 @@ def bare_parts(
     return out
 
 
-def floor_of(method: str, parts: dict[str, float]) -> dict[str, float]:
+def floor_of(method: str, parts: dict[str, float], reuse: int = 1) -> dict[str, float]:
     """The bare parts of one ``method``'s update (``"REINFORCE"`` or ``"RePULSe"``), by the trainer's phase names;
-    their sum is the update's floor."""
+    their sum is the update's floor. ``reuse``: RePULSe's ``proposal_reuse_steps`` (the proposal's parts then run
+    once every ``reuse`` updates: their mean share)."""
     if method == "REINFORCE":
         return {
             "sampling_policy": parts["sampling_policy"],
@@ -166,9 +167,9 @@ def floor_of(method: str, parts: dict[str, float]) -> dict[str, float]:
     return {
         "sampling_policy": parts["sampling_policy"],
         "scoring_policy": parts["scoring_policy"],
-        "sampling_proposal": parts["sampling_proposal"],
-        "scoring_proposal": parts["scoring_proposal"],
-        "proposal_step": parts["proposal_step"],
+        "sampling_proposal": parts["sampling_proposal"] / reuse,
+        "scoring_proposal": parts["scoring_proposal"],  # p_θ on the negatives: every update (fused or not)
+        "proposal_step": parts["proposal_step"] / reuse,
         "policy_step": parts["policy_step"],
-        "optimizer": 2 * parts["optimizer"],
+        "optimizer": (1 + 1 / reuse) * parts["optimizer"],
     }

@@ -4,6 +4,7 @@
     python bench/repulse_speed.py --floor  # and each phase against a bare version of the same compute
     python bench/repulse_speed.py --shape toy --floor       # the toy study's shape: 128 samples of 2 tokens
     python bench/repulse_speed.py --proposal-samples 2      # RePULSe's proposal draws 2 samples per prompt, not 4
+    python bench/repulse_speed.py --proposal-reuse 2        # one proposal rollout serves two policy steps
     python bench/repulse_speed.py --rounds 3 --updates 6 --threads 2
     python bench/repulse_speed.py --tiny   # the kit's tiny random Llama: checks the script in seconds
     python bench/repulse_speed.py --no-shared-prefix   # every sample's prompt run again (shared_prefix_rollouts=False)
@@ -149,6 +150,7 @@ def method_options(name: str, args) -> dict:
         "reinforce_baseline": "rloo",
         "proposal_learning_rate": args.lr if args.proposal_lr is None else args.proposal_lr,
         **({"proposal_samples_per_prompt": args.proposal_samples} if args.proposal_samples else {}),
+        **({"proposal_reuse_steps": args.proposal_reuse} if args.proposal_reuse > 1 else {}),
     }
 
 
@@ -295,13 +297,13 @@ def summarize(runs: list[dict]) -> dict:
     return summary
 
 
-def add_floor(summary: dict, parts: dict[str, float]) -> None:
+def add_floor(summary: dict, parts: dict[str, float], reuse: int = 1) -> None:
     """Each method's bare parts (`repulse_floor.floor_of`), their sum and the update's ratio to it."""
     from repulse_floor import floor_of
 
     summary["bare_parts_s"] = parts
     for name, m in summary["methods"].items():
-        floor = floor_of(name, parts)
+        floor = floor_of(name, parts, reuse)
         m["floor_parts_s"] = floor
         m["floor_s"] = sum(floor.values())
         m["over_floor"] = m["s_per_update"] / m["floor_s"]
@@ -406,6 +408,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--no-shared-prefix", action="store_true", help="shared_prefix_rollouts=False: every sample's prompt re-run"
     )
     p.add_argument(
+        "--proposal-reuse", type=int, default=1, help="RePULSe: policy steps one proposal rollout serves (default 1)"
+    )
+    p.add_argument(
         "--no-fuse", action="store_true", help="RePULSe: a separate no-grad p_θ pass over q's samples (as before)"
     )
     p.add_argument("--floor", action="store_true", help="also time every phase as bare code (repulse_floor.py)")
@@ -493,7 +498,7 @@ def main(argv=None) -> dict:
             proposal_samples=args.proposal_samples or args.samples_per_prompt, new_tokens=args.response_length,
             trainable_layers=args.trainable_layers, with_reference=args.kl_coef > 0, repeats=args.floor_repeats,
         )  # fmt: skip
-        add_floor(summary, parts)
+        add_floor(summary, parts, args.proposal_reuse)
     title = f"Seconds per policy update: {model_name}, shape {args.shape}, {batch} x {args.response_length} tokens"
     print_report(summary, console, title)
     result = {

@@ -1,6 +1,6 @@
 """The checks of `HarmlessnessConfig` that concern σ ∝ p·exp(β·R), the distribution of the negative samples: its
 reward and β (`check_target`), how its samples are drawn (`check_negative_sampler`) and how many the proposal draws
-(`check_proposal_samples`). Each takes the config and its ``fail(message)``."""
+(`check_proposal_samples`, `check_proposal_reuse`). Each takes the config and its ``fail(message)``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import inspect
 from ...losses import get_loss_spec
 from ...rewards import REWARD_TRANSFORMS
 
-__all__ = ["check_negative_sampler", "check_proposal_samples", "check_target"]
+__all__ = ["check_negative_sampler", "check_proposal_reuse", "check_proposal_samples", "check_target"]
 
 
 def check_target(config, fail) -> None:
@@ -100,4 +100,29 @@ def check_proposal_samples(config, fail) -> None:
         fail(
             f"proposal_samples_per_prompt={m} with negative_sampler='smc': the negatives are the "
             f"num_samples_per_prompt={config.num_samples_per_prompt} SMC particles; leave it unset."
+        )
+
+
+def check_proposal_reuse(config, fail) -> None:
+    """``proposal_reuse_steps`` (an integer >= 1; above 1 only with a trained proposal whose own samples are the
+    negatives, ``order="q_then_p"`` and one proposal step per policy step) and ``proposal_reuse_min_ess`` (in
+    [0, 1))."""
+    k, ess = config.proposal_reuse_steps, config.proposal_reuse_min_ess
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        fail(f"proposal_reuse_steps={k!r}: set an integer >= 1 (1: fresh proposal samples at every step).")
+    if isinstance(ess, bool) or not isinstance(ess, (int, float)) or not 0 <= ess < 1:
+        fail(f"proposal_reuse_min_ess={ess!r}: set a fraction in [0, 1) (0: no check).")
+    if k == 1:
+        return
+    if not config.uses_proposal_model or config.negative_sampler != "proposal":
+        fail(
+            f"proposal_reuse_steps={k} reuses the proposal's samples as the policy's negatives, but here "
+            f"loss_type={config.loss_type!r}, use_base_as_proposal={config.use_base_as_proposal}, "
+            f"negative_sampler={config.negative_sampler!r}; it needs a trained proposal whose samples are the "
+            "negatives."
+        )
+    if config.order != "q_then_p" or config.q_steps_per_p_step != 1:
+        fail(
+            f"proposal_reuse_steps={k} needs order='q_then_p' and q_steps_per_p_step=1 (got {config.order!r}, "
+            f"{config.q_steps_per_p_step}): the reused samples stand in for the proposal step of those settings."
         )

@@ -16,7 +16,7 @@ from ..common.online_config import TwistTargetConfig
 from ..common.ptx_config import PtxConfigMixin
 from ..common.shared_docs import document_shared_options
 from ..common.vllm_config import VLLMConfigMixin, document_vllm_options
-from .config_checks import check_negative_sampler, check_proposal_samples, check_target
+from .config_checks import check_negative_sampler, check_proposal_reuse, check_proposal_samples, check_target
 
 __all__ = ["HarmlessnessConfig", "ORDERS", "PROPOSAL_LOSS_TYPES", "REWARD_TRANSFORM_NAMES", "RM_TYPE_NAMES"]
 
@@ -182,6 +182,14 @@ class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, TwistTargetConfig):
             σ-weights are self-normalised over these samples, and with `alpha_convention="reference"` the negative
             term is scaled by `proposal_samples_per_prompt / num_samples_per_prompt`, so that `alpha` means what it
             means with equal counts (docs/repulse.md, "Cheaper steps").
+        proposal_reuse_steps (`int`, *optional*, defaults to `1`):
+            Policy steps one proposal rollout serves: the first samples and trains the proposal, the next ones take
+            their negatives from those samples again, re-weighted with the current policy, and skip the proposal's
+            sampling and step (docs/repulse.md, "Cheaper steps"). 1: fresh proposal samples at every step.
+        proposal_reuse_min_ess (`float`, *optional*, defaults to `0.0`):
+            With `proposal_reuse_steps > 1`: draw fresh proposal samples instead when the re-weighted samples' mean
+            effective sample size is below this fraction of their count (costs a no-grad policy pass per reuse);
+            0: no check.
         proposal_learning_rate (`float`, *optional*):
             Learning rate of the proposal; defaults to `learning_rate`.
         disable_dropout (`bool`, *optional*, defaults to `True`):
@@ -411,6 +419,19 @@ class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, TwistTargetConfig):
             "over these samples and alpha keeps its meaning (see docs/repulse.md)."
         },
     )
+    proposal_reuse_steps: int = field(
+        default=1,
+        metadata={
+            "help": "Policy steps one proposal rollout serves (1: fresh proposal samples every step); the others "
+            "re-weight its samples with the current policy and skip the proposal's sampling and step."
+        },
+    )
+    proposal_reuse_min_ess: float = field(
+        default=0.0,
+        metadata={
+            "help": "With proposal_reuse_steps > 1: resample when the reused samples' ESS fraction is below this."
+        },
+    )
     proposal_learning_rate: float | None = field(
         default=None, metadata={"help": "Learning rate of the proposal (default: learning_rate)."}
     )
@@ -575,5 +596,6 @@ class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, TwistTargetConfig):
                 f"{self.loss_type!r}, use_base_as_proposal={self.use_base_as_proposal}); set q_steps_per_p_step=1."
             )
         check_proposal_samples(self, fail)
+        check_proposal_reuse(self, fail)
         if self.load_best_model_at_end:
             fail("load_best_model_at_end is not supported (there is no eval loss); set it to False.")

@@ -58,6 +58,7 @@ from ..proposal.twist_step import TwistLossOutput, twist_loss
 from .harmlessness_config import HarmlessnessConfig
 from .io import HarmlessnessTrainerIO
 from .models import HarmlessnessModels, build_harmlessness_models, parameter_groups
+from .reuse import ProposalReuse, ProposalReuseMixin
 from .smc_negatives import SMCNegatives, smc_negatives
 from .stepping import TwoModelStepping
 from .steps import (
@@ -76,7 +77,9 @@ __all__ = ["HarmlessnessTrainer"]
 logger = logging.getLogger(__name__)
 
 
-class HarmlessnessTrainer(HarmlessnessTrainerIO, TwoModelStepping, OnlineTrainerMixin, _BaseTrainer):
+class HarmlessnessTrainer(
+    HarmlessnessTrainerIO, TwoModelStepping, ProposalReuseMixin, OnlineTrainerMixin, _BaseTrainer
+):
     """Trainer for RePULSe and its baselines (REINFORCE, reward transforms, the ``p_θ``-proposal ablation).
 
     Args:
@@ -201,6 +204,8 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, TwoModelStepping, OnlineTrainer
         self._last_ptx: torch.Tensor | None = None
         self._micro_step: int | None = None  # micro-steps so far (keys the rows' streams with seed_per_row)
         self._fusing = False  # inside a step whose policy forward scores the proposal's samples
+        self._skip_proposal = False  # inside a step whose negatives are a kept proposal rollout
+        self._proposal_reuse = ProposalReuse(args.proposal_reuse_steps, args.proposal_reuse_min_ess)
 
     # ------------------------------------------------------------------------------------------------ setup
     def _generator(self, reward, reference: ReferencePolicy | None, settings=None) -> RolloutGenerator:
@@ -279,21 +284,27 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, TwoModelStepping, OnlineTrainer
         for extra in range(args.q_steps_per_p_step - 1):
             self._proposal_only_step(model, prompt_ids, prompt_mask, **extras, stream=2 + extra)
         self._fusing = self._fuses_negative_forward()
+        self._skip_proposal = self._proposal_reuse.available()
         try:
             rollouts = self.rollout(model, prompt_ids, prompt_mask, **extras)
+            if self._skip_proposal and not self._reused_proposal(rollouts, self._fusing):
+                rollouts.proposal = self._sample_proposal(model, prompt_ids, prompt_mask, **extras)
         finally:
-            self._fusing, fused = False, self._fusing
+            self._fusing, fused, self._skip_proposal = False, self._fusing, False
+        if rollouts.proposal is not None and not rollouts.proposal_reused:
+            self._proposal_reuse.keep(rollouts.proposal)
         self._update_policy_reward_normalizer(rollouts.policy)
         forward = None
         if fused:  # the policy's forward first: its log p_θ on q's samples are q's reference log-probs
             forward = self._policy_forward(model, rollouts)
             q = rollouts.proposal
-            q.ref_logprobs = torch.where(q.response_mask != 0, forward[1].detach(), torch.zeros_like(q.logprobs))
+            if q.ref_logprobs is None:  # (a reused rollout checked with `proposal_reuse_min_ess` has them)
+                q.ref_logprobs = torch.where(q.response_mask != 0, forward[1].detach(), torch.zeros_like(q.logprobs))
         rewards = self.compute_rewards(rollouts)
         self._save_negative_data(rollouts)
         q_out = None
-        if rollouts.proposal is None:
-            p_out, p_lp = self._policy_backward(model, rollouts, rewards, scale)
+        if rollouts.proposal is None or rollouts.proposal_reused:  # no proposal step
+            p_out, p_lp = self._policy_backward(model, rollouts, rewards, scale, forward=forward)
         elif self.is_deepspeed_enabled:  # one backward: the engine steps both models and clips their joint norm
             q_out = self._proposal_backward(model, rollouts.proposal, rewards.proposal_log_phi, scale, backward=False)
             p_out, p_lp = self._policy_backward(model, rollouts, rewards, scale, extra_loss=q_out.loss.loss * scale)
@@ -432,11 +443,8 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, TwoModelStepping, OnlineTrainer
         experience is collected."""
         policy = self._sample("policy", model, prompt_ids, prompt_mask, vision, columns=columns)
         proposal = None
-        if self.proposal is not None:
-            generator = "proposal_unscored" if self._fusing else "proposal"
-            proposal = self._sample(
-                "proposal", model, prompt_ids, prompt_mask, vision, columns=columns, generator=generator
-            )
+        if self.proposal is not None and not self._skip_proposal:
+            proposal = self._sample_proposal(model, prompt_ids, prompt_mask, vision, columns)
         rollouts = HarmlessnessRollouts(policy=policy, proposal=proposal)
         if self.args.negative_sampler == "smc":  # (image inputs are refused at construction)
             drawn = self.sample_negatives(prompt_ids, prompt_mask)
@@ -444,6 +452,12 @@ class HarmlessnessTrainer(HarmlessnessTrainerIO, TwoModelStepping, OnlineTrainer
             self._metrics.add("negatives/resampling_count", drawn.num_resampling.float().mean())
             self._metrics.add("negatives/log_z", drawn.log_z.float().mean())
         return rollouts
+
+    def _sample_proposal(self, model, prompt_ids, prompt_mask, vision=None, columns=None) -> Rollout:
+        """The proposal's samples of a step; without the no-grad ``log p_θ`` pass when the step's policy forward
+        gives it (:meth:`_fuses_negative_forward`)."""
+        generator = "proposal_unscored" if self._fusing else "proposal"
+        return self._sample("proposal", model, prompt_ids, prompt_mask, vision, columns=columns, generator=generator)
 
     def sample_negatives(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> SMCNegatives:
         """``N`` negatives per prompt by twisted SMC towards σ, the proposal as twist (`smc_negatives`)."""

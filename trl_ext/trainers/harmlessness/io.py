@@ -184,7 +184,7 @@ class HarmlessnessTrainerIO:
             return
         step = self.state.global_step
         self._negdata.add(rollouts.policy, rollouts.policy.scores, step=step, source="policy")
-        if rollouts.proposal is not None:
+        if rollouts.proposal is not None and not rollouts.proposal_reused:  # (a reused rollout was saved when drawn)
             self._negdata.add(rollouts.proposal, rollouts.proposal.scores, step=step, source="proposal")
 
     def _record_step(self, rollouts, rewards, p_out: LossOutput, p_lp: torch.Tensor, q_out) -> None:

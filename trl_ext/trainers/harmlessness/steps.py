@@ -45,6 +45,8 @@ class HarmlessnessRollouts:
     """With ``negative_sampler="smc"``: the SMC particles used as negatives (else the proposal's samples are)."""
     negative_weights: torch.Tensor | None = None
     """``(P, N)`` the sampler's normalised weights of ``negatives``."""
+    proposal_reused: bool = False
+    """``proposal`` is an earlier step's rollout taken again (``proposal_reuse_steps``): no proposal step now."""
 
 
 @dataclass
@@ -254,8 +256,10 @@ def step_metrics(
             q, log_phi=rewards.proposal_log_phi, kl=q_kl, reward=q.scores, kl_coef=kl_coef, weights=weights
         )
         values.update({f"proposal/{k}": v for k, v in proposal.items()})
-        values["proposal/logprob_diff"] = _max_abs_diff(q_out.q_logprobs, q.logprobs, q.response_mask)
-        values["loss/proposal"] = q_out.loss.loss.detach()
+        values["proposal/reused"] = torch.tensor(float(rollouts.proposal_reused))
+        if q_out is not None:  # (a reused rollout has no proposal step)
+            values["proposal/logprob_diff"] = _max_abs_diff(q_out.q_logprobs, q.logprobs, q.response_mask)
+            values["loss/proposal"] = q_out.loss.loss.detach()
     elif weights is not None:
         values["proposal/ess"] = effective_sample_size(weights).mean()
     return values
