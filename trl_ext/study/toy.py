@@ -151,6 +151,14 @@ def repulse_options(alpha: float, beta: float, config: ToyConfig) -> dict:
     }  # fmt: skip
 
 
+def proposal_share_options(config: ToyConfig) -> dict[str, dict]:
+    """The options that cut the proposal's share of a RePULSe update, by name: q draws half the samples (``m2``), one
+    proposal rollout serves two policy steps (``reuse2``), and both at once."""
+    half = {"proposal_samples_per_prompt": max(2, config.samples_per_update // 2)}
+    reuse = {"proposal_reuse_steps": 2}
+    return {"m2": half, "reuse2": reuse, "m2_reuse2": half | reuse}
+
+
 def method_settings(config: ToyConfig) -> dict[str, tuple[str, dict[str, dict]]]:
     """``{method: (trainer, {setting: options})}``: the paper's toy baselines, each with a knob that traces a curve
     (α for RePULSe and the reward transform; the number of updates, along each run, for every method)."""
@@ -161,7 +169,12 @@ def method_settings(config: ToyConfig) -> dict[str, tuple[str, dict[str, dict]]]
             {f"a{a:g}_b{b:g}": repulse_options(a, b, config) for a in (0.03, 0.1, 0.3) for b in (-10.0,)}
             | {f"a0.1_b{b:g}": repulse_options(0.1, b, config) for b in (-1.0, -5.0)}
             # q's diversity: a slower proposal (q's learning rate 1e-4 instead of 3e-4)
-            | {"a0.1_b-10_qlr1e-4": {**repulse_options(0.1, -10.0, config), "proposal_learning_rate": 1e-4}},
+            | {"a0.1_b-10_qlr1e-4": {**repulse_options(0.1, -10.0, config), "proposal_learning_rate": 1e-4}}
+            # the options that cut the proposal's share of an update (issue 35), on the best alpha of the sweep
+            | {
+                f"a0.03_b-10_{name}": {**repulse_options(0.03, -10.0, config), **extra}
+                for name, extra in proposal_share_options(config).items()
+            },
         ),
         "transform": (
             "harmlessness",
