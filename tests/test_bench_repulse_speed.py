@@ -35,3 +35,22 @@ def test_the_phase_table_and_the_floor_on_a_tiny_model(tmp_path, shape, monkeypa
     runs = json.loads(out.read_text())["runs"]
     repulse_options = next(r["options"] for r in runs if r["method"] == "RePULSe")
     assert repulse_options["proposal_samples_per_prompt"] == 2 and repulse_options["response_length"] == 3
+
+
+def test_the_head_proposal_is_benchmarked_with_its_own_floor(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("repulse_speed", None)
+    import repulse_speed
+
+    out = tmp_path / "speed.json"
+    argv = ["--tiny", "--floor", "--floor-repeats", "1", "--rounds", "1", "--updates", "1", "--warmup", "0",
+            "--prompts-per-step", "2", "--samples-per-prompt", "4", "--response-length", "3", "--proposal-head",
+            "--output", str(out)]  # fmt: skip
+    repulse_speed.main(argv)
+    data = json.loads(out.read_text())
+    repulse_options = next(r["options"] for r in data["runs"] if r["method"] == "RePULSe")
+    assert repulse_options["parameterization"] == "modulation_linear_head"
+    parts = data["summary"]["bare_parts_s"]
+    assert parts["optimizer_proposal"] > 0  # the head's own optimizer step, not the policy's
+    floor = data["summary"]["methods"]["RePULSe"]["floor_parts_s"]
+    assert floor["optimizer"] == pytest.approx(parts["optimizer"] + parts["optimizer_proposal"])

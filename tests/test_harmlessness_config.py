@@ -73,9 +73,9 @@ def test_parses_from_the_command_line(tmp_path):
         ({"rm_type": "indicator_below_threshold"}, "needs reward_threshold"),
         ({"anneal_target_dist_beta": 1.0}, "both values < 0"),
         # a modulated proposal cannot follow the moving policy
-        ({"parameterization": "modulation_linear_head"}, "cannot follow the policy"),
+        ({"parameterization": "modulation_model"}, "trains a second copy of the transformer"),
         ({"parameterization": "policy"}, "unknown parameterization"),
-        ({"proposal_loss_type": "sixo"}, "SIXO needs a modulated proposal"),
+        ({"proposal_loss_type": "sixo"}, "SIXO's classifier twist is not offered here"),
         # extra optimizer steps inside a training step cannot be accumulated
         ({"order": "p_then_q", "gradient_accumulation_steps": 2}, "set gradient_accumulation_steps=1"),
         ({"q_steps_per_p_step": 2, "gradient_accumulation_steps": 2}, "set gradient_accumulation_steps=1"),

@@ -110,7 +110,8 @@ class _Recording(HarmlessnessTrainer):
         mask = q.response_mask.float()
         direct = ((log_p - log_q) * mask).sum(-1) + self.beta * q.scores
         expected = torch.softmax(direct.view(self._last_weights.shape).double(), -1)
-        self.seen.append((rollouts.proposal_reused, id(q.response_ids), self._last_weights.double(), expected))
+        # the tensor itself (kept alive, so that ids of different rollouts cannot be recycled)
+        self.seen.append((rollouts.proposal_reused, q.response_ids, self._last_weights.double(), expected))
         return out
 
 
@@ -142,7 +143,7 @@ def test_a_proposal_rollout_serves_two_steps_reweighted_by_the_current_policy(tm
     assert reused == [False, True, False, True]
     assert changes == [True, False, True, False]  # the proposal is stepped only on its fresh rollouts
     samples = [sample for _, sample, *_ in trainer.seen]
-    assert samples[0] == samples[1] and samples[2] == samples[3] and samples[0] != samples[2]
+    assert samples[0] is samples[1] and samples[2] is samples[3] and samples[0] is not samples[2]
     for _, _, weights, expected in trainer.seen:  # σ-weights with this step's p_θ and β, the samples' own log q
         torch.testing.assert_close(weights, expected, atol=1e-5, rtol=0)
     assert not torch.allclose(trainer.seen[0][2], trainer.seen[1][2], atol=1e-4)  # p_θ moved: new weights
@@ -157,7 +158,7 @@ def test_reuse_falls_back_to_fresh_samples_when_the_weights_degenerate(tmp_path)
     trainer.train()
     assert [r for r, *_ in trainer.seen] == [False, False, False, False]
     samples = [sample for _, sample, *_ in trainer.seen]
-    assert len(set(samples)) == 4
+    assert len({id(sample) for sample in samples}) == 4
 
 
 @pytest.mark.parametrize(

@@ -156,8 +156,17 @@ class ModulatedCausalLM(RefusesTrlForwardPatch, PreTrainedModel, GenerationMixin
     _supports_sdpa = True
     _supports_flash_attn = True
 
-    def __init__(self, config: ModulatedConfig, base_model: PreTrainedModel | None = None, **base_model_kwargs):
+    def __init__(
+        self,
+        config: ModulatedConfig,
+        base_model: PreTrainedModel | None = None,
+        *,
+        live_base: bool = False,
+        **base_model_kwargs,
+    ):
         super().__init__(config)
+        if live_base and base_model is None:
+            raise ValueError("live_base=True modulates a model trained elsewhere: pass it as base_model.")
         if base_model is None:
             if not config.base_model_name_or_path:
                 raise ValueError(
@@ -202,7 +211,13 @@ class ModulatedCausalLM(RefusesTrlForwardPatch, PreTrainedModel, GenerationMixin
             config.modulation_kind, hidden_size, vocab_size, float(config.init_scale_divider), base_head
         ).to(device=device)
 
-        self.base_lm = base_model.requires_grad_(False).eval()
+        self.live_base = live_base
+        if live_base:
+            # The base is another model's (RePULSe's policy, trained by its own optimizer): keep it out of this
+            # module's parameters, state dict and train/eval switches, and leave its requires_grad alone.
+            object.__setattr__(self, "base_lm", base_model)
+        else:
+            self.base_lm = base_model.requires_grad_(False).eval()
         self._base_takes_logits_to_keep = "logits_to_keep" in inspect.signature(base_model.forward).parameters
         self._select_last_hidden = True
         self.fused_temperature = 1.0
@@ -230,12 +245,16 @@ class ModulatedCausalLM(RefusesTrlForwardPatch, PreTrainedModel, GenerationMixin
         init_scale_divider: float = 1.0,
         init_head_from_base: bool = False,
         base_model_name_or_path: str | None = None,
+        live_base: bool = False,
         **base_model_kwargs,
     ) -> ModulatedCausalLM:
         """A new modulated policy on ``base_model`` (a loaded causal LM, or a Hub id / folder to load it from with
         ``base_model_kwargs``). ``base_model_name_or_path`` overrides the path recorded for reloading (defaults to
         the base's ``name_or_path``; a model built from a config has none, so reloading then needs ``base_model=``).
-        The modulation is initialised with the global torch RNG."""
+        ``live_base=True``: the base is a model trained elsewhere (RePULSe's policy, whose proposal is then
+        ``q ∝ p_θ·exp(m)``): it is not frozen, not registered as a submodule (so neither in this module's
+        parameters nor in its state dict) and its train/eval mode is left to its owner; its forward still runs
+        without gradient here. The modulation is initialised with the global torch RNG."""
         if isinstance(base_model, (str, os.PathLike)):
             base_model_name_or_path = base_model_name_or_path or os.fspath(base_model)
             base_model = AutoModelForCausalLM.from_pretrained(os.fspath(base_model), **base_model_kwargs)
@@ -251,7 +270,7 @@ class ModulatedCausalLM(RefusesTrlForwardPatch, PreTrainedModel, GenerationMixin
             bos_token_id=getattr(text_config, "bos_token_id", None),
             eos_token_id=getattr(text_config, "eos_token_id", None),
         )
-        return cls(config, base_model=base_model)
+        return cls(config, base_model=base_model, live_base=live_base)
 
     @classmethod
     def from_pretrained(
@@ -322,9 +341,11 @@ class ModulatedCausalLM(RefusesTrlForwardPatch, PreTrainedModel, GenerationMixin
 
     # ------------------------------------------------------------------------------------------------ behaviour
     def train(self, mode: bool = True):
-        """Set train/eval mode for the modulation; the frozen base always stays in eval mode (no dropout)."""
+        """Set train/eval mode for the modulation; the frozen base always stays in eval mode (no dropout), a live base
+        keeps the mode its own trainer set."""
         super().train(mode)
-        self.base_lm.eval()
+        if not self.live_base:
+            self.base_lm.eval()
         return self
 
     def adopt_trl_fused_settings(self, settings: dict) -> None:
@@ -345,8 +366,20 @@ class ModulatedCausalLM(RefusesTrlForwardPatch, PreTrainedModel, GenerationMixin
         return None  # the policy has no single output projection (base head + modulation)
 
     def modulation_parameters(self):
-        """The trainable parameters (everything outside ``base_lm``)."""
+        """The trainable parameters (everything outside ``base_lm``; a live base is not a submodule at all)."""
         return [p for n, p in self.named_parameters() if not n.startswith("base_lm.")]
+
+    def outputs_from_hidden(self, hidden: torch.Tensor, base_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(log q, m)`` from the base's final hidden states ``hidden`` ``(..., H)`` (computed elsewhere, e.g. by a
+        live base's own training forward) and its LM head ``base_head`` (run without gradient): what `forward`
+        returns as ``logits`` / ``modulation_logits`` at those positions, for a ``linear_head``/``mlp_head`` kind."""
+        if self.modulation_backbone is not None:
+            raise ValueError("modulation_kind='model' reads its own backbone, not the base's hidden states.")
+        hidden = hidden.detach()
+        with torch.no_grad():
+            base_logits = base_head(hidden)
+        modulation = self._head(hidden)
+        return modulated_logprobs(base_logits.to(modulation.device), modulation), modulation
 
     # -------------------------------------------------------------------------------------------------- forward
     def _run(self, input_ids, attention_mask, position_ids, cache, use_cache, logits_to_keep, extra):

@@ -65,7 +65,7 @@ PLANS = {
     # What the options that cut the proposal's share of an update cost the result (issue 35), paired by seed with
     # RePULSe/a0.03_b-10 of the main plan.
     "options": [
-        ("RePULSe", f"a0.03_b-10_{name}", [s]) for s in SEEDS3 for name in ("m2", "reuse2", "m2_reuse2")
+        ("RePULSe", f"a0.03_b-10_{name}", [s]) for s in SEEDS3 for name in ("m2", "reuse2", "m2_reuse2", "head")
     ],
     # The demo: one seed of each.
     "demo": [("REINFORCE", "default", [0]), ("RePULSe", MAIN_ALPHA, [0])],

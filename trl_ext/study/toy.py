@@ -153,10 +153,12 @@ def repulse_options(alpha: float, beta: float, config: ToyConfig) -> dict:
 
 def proposal_share_options(config: ToyConfig) -> dict[str, dict]:
     """The options that cut the proposal's share of a RePULSe update, by name: q draws half the samples (``m2``), one
-    proposal rollout serves two policy steps (``reuse2``), and both at once."""
+    proposal rollout serves two policy steps (``reuse2``), both at once, and q as a linear head on the policy's
+    trunk (``head``: q ∝ p_θ·exp(m), only the head trained)."""
     half = {"proposal_samples_per_prompt": max(2, config.samples_per_update // 2)}
     reuse = {"proposal_reuse_steps": 2}
-    return {"m2": half, "reuse2": reuse, "m2_reuse2": half | reuse}
+    head = {"parameterization": "modulation_linear_head"}
+    return {"m2": half, "reuse2": reuse, "m2_reuse2": half | reuse, "head": head}
 
 
 def method_settings(config: ToyConfig) -> dict[str, tuple[str, dict[str, dict]]]:

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ...models.lora import is_peft_model
+from ...models.modulated_utils import load_modulation_state_dict
 from .manifest import MANIFEST_NAME, CheckpointIntegrityError, naming_file, verify_manifest
 from .run_folder import explain_disk_full, remove_stale_stages, stage_prefix
 
@@ -170,6 +171,15 @@ def _copy_weights_from_pretrained(model: nn.Module, path: str) -> None:
     """Load the weights saved in ``path`` into ``model`` in place, through the class's own `from_pretrained`
     (which applies transformers' checkpoint key conversions, e.g. GPT-NeoX ``embed_out`` → ``lm_head``)."""
     param = next(model.parameters())
+    if getattr(model, "live_base", False):  # a modulation of a model restored on its own: its weights only
+        with naming_file(weight_files(path), "the modulation weights"):
+            result = model.load_state_dict(load_modulation_state_dict(path, {}), strict=False)
+        if result.missing_keys or result.unexpected_keys:
+            raise RuntimeError(
+                f"The modulation in {path} does not match this {model.config.modulation_kind!r} head: missing "
+                f"{result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}."
+            )
+        return
     with naming_file(weight_files(path), f"the weights of {type(model).__name__}"):
         if hasattr(type(model), "from_pretrained"):
             loaded = type(model).from_pretrained(path, dtype=param.dtype)

@@ -445,14 +445,22 @@ class TwistTargetConfig(OnlineConfig):
             Upper cap of `"rlhf"` rewards (`None`: none).
         reward_threshold (`float`, *optional*):
             Threshold of `"indicator_below_threshold"`.
+        modulation_init_scale_divider (`float`, *optional*, defaults to `1.0`):
+            When the trainer builds a modulation (`modulation_*` parameterizations): its last layer starts as
+            ``xavier_normal / divider``.
+        modulation_init_head_from_base (`bool`, *optional*, defaults to `False`):
+            When the trainer builds a `model`/`linear_head` modulation: start its output layer from the base's LM
+            head (divided by the divider).
     """
 
     parameterization: str = field(
         default="policy_psi_q_p_s_t",
         metadata={
             "help": "Twist parameterisation of the proposal: 'policy_psi_q_p_s_t' (log q - log p per token), "
-            "'policy_psi_q_p_s_1_to_t', 'policy_psi_unnorm'; for ProposalTrainer also 'modulation_model', "
-            "'modulation_linear_head', 'modulation_nn_head' / 'modulation_mlp_head' (q ∝ p_ref·exp(m))."
+            "'policy_psi_q_p_s_1_to_t', 'policy_psi_unnorm', or a modulation: 'modulation_linear_head', "
+            "'modulation_nn_head' / 'modulation_mlp_head' (q ∝ p·exp(m), a head on p's final hidden state; in "
+            "HarmlessnessConfig p is the live policy, whose trunk forward q then shares) and, for ProposalTrainer "
+            "only, 'modulation_model'."
         },
     )
     loss_aggregation: Literal["seq-mean-token-mean", "seq-mean-token-sum", "token-mean"] = field(
@@ -484,6 +492,14 @@ class TwistTargetConfig(OnlineConfig):
     reward_threshold: float | None = field(
         default=None, metadata={"help": "Threshold of rm_type='indicator_below_threshold'."}
     )
+    modulation_init_scale_divider: float = field(
+        default=1.0,
+        metadata={"help": "When the trainer builds the modulation: last layer starts as xavier_normal / divider."},
+    )
+    modulation_init_head_from_base: bool = field(
+        default=False,
+        metadata={"help": "When the trainer builds a model/linear_head modulation: start it from the base LM head."},
+    )
 
     def _twist_loss_type(self) -> str | None:
         """The name of the proposal's twist loss (``None``: no proposal is trained); subclasses say which field."""
@@ -498,6 +514,17 @@ class TwistTargetConfig(OnlineConfig):
         super()._validate()
         self._check_choice("loss_aggregation", AGGREGATIONS)
         self._check_choice("rm_type", RM_TYPES)
+        if not self.modulation_init_scale_divider > 0:
+            self._fail(f"modulation_init_scale_divider={self.modulation_init_scale_divider}: set a positive divider.")
+        if self.modulation_init_head_from_base and self.parameterization not in (
+            "modulation_model",
+            "modulation_linear_head",
+        ):
+            self._fail(
+                "modulation_init_head_from_base=True starts a Linear head on the base's final hidden state from the "
+                "base LM head, which only 'modulation_model' and 'modulation_linear_head' have; turn it off for "
+                f"parameterization={self.parameterization!r}."
+            )
         from ...losses import available_losses
 
         loss = self._twist_loss_type()

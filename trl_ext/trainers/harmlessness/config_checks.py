@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 
 from ...losses import get_loss_spec
+from ...models.twist import MODULATION_PARAMETERIZATIONS, POLICY_PARAMETERIZATIONS
 from ...rewards import REWARD_TRANSFORMS
 
 __all__ = ["check_negative_sampler", "check_proposal_reuse", "check_proposal_samples", "check_target"]
@@ -125,4 +126,41 @@ def check_proposal_reuse(config, fail) -> None:
         fail(
             f"proposal_reuse_steps={k} needs order='q_then_p' and q_steps_per_p_step=1 (got {config.order!r}, "
             f"{config.q_steps_per_p_step}): the reused samples stand in for the proposal step of those settings."
+        )
+
+
+#: The modulation parameterisations a RePULSe proposal can have: a head on the live policy's trunk.
+HEAD_PARAMETERIZATIONS: tuple[str, ...] = tuple(p for p in MODULATION_PARAMETERIZATIONS if p != "modulation_model")
+
+
+def check_proposal_parameterization(config, loss_types: tuple[str, ...], fail) -> None:
+    """``parameterization``: a policy parameterisation (a full proposal model) or a modulation *head* on the live
+    policy (``q ∝ p_θ·exp(m)``); ``proposal_loss_type``: one of ``loss_types`` that fits it."""
+    p = config.parameterization
+    if p == "modulation_model":
+        fail(
+            "parameterization='modulation_model' trains a second copy of the transformer on top of the policy, "
+            "which costs more than a plain proposal model; use 'modulation_linear_head' / 'modulation_mlp_head' "
+            f"(a head on the policy's trunk) or one of {', '.join(POLICY_PARAMETERIZATIONS)}."
+        )
+    if p not in POLICY_PARAMETERIZATIONS + HEAD_PARAMETERIZATIONS:
+        fail(f"unknown parameterization {p!r}; choose one of {POLICY_PARAMETERIZATIONS + HEAD_PARAMETERIZATIONS}.")
+    loss = config.proposal_loss_type
+    if loss is None:
+        return
+    if loss not in loss_types:
+        fail(
+            f"proposal_loss_type={loss!r}: the proposal is trained towards the moving policy with one of "
+            f"{', '.join(loss_types)} (SIXO's classifier twist is not offered here)."
+        )
+    from ..proposal.twist_step import validate_twist_setup  # (not imported with the config)
+
+    try:
+        validate_twist_setup(p, loss)
+    except ValueError as err:
+        fail(str(err))
+    if p in HEAD_PARAMETERIZATIONS and getattr(config, "use_vllm", False):
+        fail(
+            f"parameterization={p!r} samples the proposal as the policy's trunk plus a head, which a vLLM engine "
+            "cannot run; set use_vllm=False or use a policy_psi_* proposal."
         )

@@ -9,14 +9,19 @@ from typing import Literal
 
 from ...losses import available_losses, get_loss_spec
 from ...losses.reinforce import ALPHA_CONVENTIONS, BASELINES
-from ...models.twist import MODULATION_PARAMETERIZATIONS, POLICY_PARAMETERIZATIONS
 from ...ops.kl import KL_ESTIMATORS
 from ...rewards import REWARD_TRANSFORMS, RM_TYPES
 from ..common.online_config import TwistTargetConfig
 from ..common.ptx_config import PtxConfigMixin
 from ..common.shared_docs import document_shared_options
 from ..common.vllm_config import VLLMConfigMixin, document_vllm_options
-from .config_checks import check_negative_sampler, check_proposal_reuse, check_proposal_samples, check_target
+from .config_checks import (
+    check_negative_sampler,
+    check_proposal_parameterization,
+    check_proposal_reuse,
+    check_proposal_samples,
+    check_target,
+)
 
 __all__ = ["HarmlessnessConfig", "ORDERS", "PROPOSAL_LOSS_TYPES", "REWARD_TRANSFORM_NAMES", "RM_TYPE_NAMES"]
 
@@ -59,8 +64,13 @@ class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, TwistTargetConfig):
             proposal; `"neg_training"`/`"neg_reinforce"` then need `use_base_as_proposal=True`.
         parameterization (`str`, *optional*, defaults to `"policy_psi_q_p_s_t"`):
             How the twist is read off the proposal: `"policy_psi_q_p_s_t"`, `"policy_psi_q_p_s_1_to_t"` or
-            `"policy_psi_unnorm"`. Modulation parameterisations are not possible here (their frozen base cannot
-            follow the moving policy).
+            `"policy_psi_unnorm"` (a full proposal model), or `"modulation_linear_head"` / `"modulation_mlp_head"`
+            (`"modulation_nn_head"`): ``q ∝ p_θ·exp(m)`` with ``m`` a head on the live policy's final hidden state,
+            so q samples with p's trunk and trains and steps only the head (docs/repulse.md).
+        modulation_init_scale_divider (`float`, *optional*, defaults to `1.0`):
+            A head proposal's last layer starts as `xavier_normal / divider` (seeded by `seed`).
+        modulation_init_head_from_base (`bool`, *optional*, defaults to `False`):
+            Start a `modulation_linear_head` from the policy's LM head (divided by the divider).
         alpha (`float`, *optional*, defaults to `0.1`):
             Weight `α ≥ 0` of the negative term.
         start_alpha (`float`, *optional*):
@@ -565,19 +575,7 @@ class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, TwistTargetConfig):
                 f"use_base_as_proposal=True but loss_type={self.loss_type!r} uses no proposal samples; set "
                 "loss_type='neg_training' (the p_θ-proposal ablation) or use_base_as_proposal=False."
             )
-        if self.parameterization in MODULATION_PARAMETERIZATIONS:
-            fail(
-                f"parameterization={self.parameterization!r}: a modulated proposal carries its own frozen base "
-                "model, which cannot follow the policy being trained. Use one of "
-                f"{', '.join(POLICY_PARAMETERIZATIONS)}."
-            )
-        if self.parameterization not in POLICY_PARAMETERIZATIONS:
-            fail(f"unknown parameterization {self.parameterization!r}; choose one of {POLICY_PARAMETERIZATIONS}.")
-        if self.proposal_loss_type is not None and self.proposal_loss_type not in PROPOSAL_LOSS_TYPES:
-            fail(
-                f"proposal_loss_type={self.proposal_loss_type!r}: the proposal is trained towards the moving policy "
-                f"with one of {', '.join(PROPOSAL_LOSS_TYPES)} (SIXO needs a modulated proposal)."
-            )
+        check_proposal_parameterization(self, PROPOSAL_LOSS_TYPES, fail)
         if self.proposal_learning_rate is not None and self.proposal_learning_rate < 0:
             fail(f"proposal_learning_rate={self.proposal_learning_rate} must be >= 0.")
 

@@ -296,7 +296,7 @@ class HarmlessnessTrainer(
         self._update_policy_reward_normalizer(rollouts.policy)
         forward = None
         if fused:  # the policy's forward first: its log p_θ on q's samples are q's reference log-probs
-            forward = self._policy_forward(model, rollouts)
+            forward = self._policy_forward(model, rollouts, share_trunk=self._is_head_proposal())
             q = rollouts.proposal
             if q.ref_logprobs is None:  # (a reused rollout checked with `proposal_reuse_min_ess` has them)
                 q.ref_logprobs = torch.where(q.response_mask != 0, forward[1].detach(), torch.zeros_like(q.logprobs))
@@ -359,7 +359,7 @@ class HarmlessnessTrainer(
         self._timings["proposal_step"] += time.perf_counter() - start
         return out
 
-    def _policy_forward(self, model: nn.Module, rollouts: HarmlessnessRollouts):
+    def _policy_forward(self, model: nn.Module, rollouts: HarmlessnessRollouts, share_trunk: bool = False):
         """``(policy_lp, neg_lp, negatives)``: ``p_θ``'s log-probs, with gradient, on its samples and on the
         negatives (the proposal's samples or the SMC particles; ``policy_lp`` again without negatives), from one
         forward pass over both; its time counts as ``timing/policy_step``."""
@@ -369,12 +369,13 @@ class HarmlessnessTrainer(
             parts.append(rollouts.negatives if rollouts.negatives is not None else rollouts.proposal)
         ids, mask, T = stack_rollouts(parts)
         vision = concat_vision([part.vision for part in parts])
-        with self._wrapper.acting_as("policy"):
+        B, T_p = rollouts.policy.batch_size, rollouts.policy.response_length
+        # a head proposal's step reads the hidden states of its samples from here instead of running the trunk again
+        with self._wrapper.acting_as("policy"), self._hidden_for_proposal(share_trunk and len(parts) > 1, parts, B):
             logprobs = forward_response(
                 model, ids, mask, T, temperature=self.args.temperature, vision=vision,
                 padding_free=self.args.padding_free,
             ).logprobs  # fmt: skip
-        B, T_p = rollouts.policy.batch_size, rollouts.policy.response_length
         policy_lp = logprobs[:B, :T_p]
         neg_lp = logprobs[B:, : parts[-1].response_length] if len(parts) > 1 else policy_lp
         self._timings["policy_step"] += time.perf_counter() - start
@@ -547,6 +548,7 @@ class HarmlessnessTrainer(
                 parameterization=args.parameterization, loss_type=args.proposal_loss_type,
                 temperature=args.temperature, aggregation=args.loss_aggregation, reference_model=self.policy,
                 padding_free=args.padding_free, return_entropy=False,  # (q's entropy is not logged here)
+                response_outputs=self._head_outputs(rollout),  # a head proposal: from the policy forward's hidden
             )  # fmt: skip
 
     def neg_weights(

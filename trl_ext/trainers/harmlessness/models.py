@@ -22,11 +22,14 @@ import torch
 from torch import nn
 
 from ...models.lora import is_peft_model, reference_is_base_with_adapters_disabled
+from ...models.modulated import ModulatedCausalLM
+from ...models.twist import modulation_kind_of
 from ...rollout.generator import ReferencePolicy, supports_logits_to_keep
 from ..common.checks import refuse_same_object
 from ..common.model_parts import ModelParts, TokenLogProbsOutput, add_adapters, shares_parameters
+from .config_checks import HEAD_PARAMETERIZATIONS
 
-__all__ = ["HarmlessnessModels", "build_harmlessness_models", "parameter_groups"]
+__all__ = ["HarmlessnessModels", "build_harmlessness_models", "head_proposal", "parameter_groups"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +49,8 @@ class HarmlessnessModels(ModelParts):
         self.proposal = proposal
         self.acting = "policy"
         self.supports_logits_to_keep = all(supports_logits_to_keep(m) for m in self.parts())
+        self.keep_hidden = False  # set by the trainer: keep the scored positions' hidden states (`last_hidden`)
+        self.last_hidden: torch.Tensor | None = None
 
     def parts(self) -> list[nn.Module]:
         return [m for m in (self.policy, self.proposal) if m is not None]
@@ -93,7 +98,11 @@ class HarmlessnessModels(ModelParts):
         kwargs = self._causal_lm_kwargs(input_ids, attention_mask, position_ids, use_cache, logits_to_keep)
         kwargs.update(model_inputs)  # e.g. a vision-language model's pixel_values
         if token_labels is not None:
-            logprobs, entropy, _ = self._token_logprobs(kwargs, token_labels, temperature, chunk_size, return_entropy)
+            logprobs, entropy, hidden = self._token_logprobs(
+                kwargs, token_labels, temperature, chunk_size, return_entropy
+            )
+            if self.keep_hidden:
+                self.last_hidden = hidden[:, -token_labels.shape[-1] :].detach()
             return TokenLogProbsOutput(logprobs=logprobs, entropy=entropy)
         out = self.acting_model()(**kwargs)
         out.logits = self._kept_logits(out.logits, logits_to_keep)
@@ -111,7 +120,8 @@ def build_harmlessness_models(
 ) -> tuple[nn.Module, nn.Module | None, ReferencePolicy]:
     """Check the user's models and return ``(policy, proposal, reference)``.
 
-    - ``proposal``: ``proposal_model``, else a copy of the initial ``model``; ``None`` when the settings use no
+    - ``proposal``: ``proposal_model``, else a copy of the initial ``model``, or for a ``modulation_*_head``
+      parameterization a head on the live policy (:func:`head_proposal`); ``None`` when the settings use no
       proposal model (``loss_type="reinforce"`` or ``use_base_as_proposal=True``; a given ``proposal_model`` is then
       ignored with a warning).
     - ``reference`` (``p_0``): ``ref_model`` (frozen), else under PEFT the policy with its adapters disabled, else a
@@ -131,7 +141,13 @@ def build_harmlessness_models(
         proposal_model = None
     policy = model
     proposal = proposal_model
-    if args.uses_proposal_model and proposal is None:
+    head = args.uses_proposal_model and args.parameterization in HEAD_PARAMETERIZATIONS
+    if head and proposal is not None:
+        raise ValueError(
+            f"parameterization={args.parameterization!r} builds the proposal as a head on the policy's trunk; "
+            "pass proposal_model=None (or choose a policy_psi_* parameterization to train the model you passed)."
+        )
+    if args.uses_proposal_model and proposal is None and not head:
         proposal = copy.deepcopy(policy)  # before any adapter is added: PEFT injects into the model in place
         logger.info("No proposal_model given: the proposal starts as a copy of the initial policy.")
     if ref_model is None and peft_config is None and not is_peft_model(policy):
@@ -141,7 +157,9 @@ def build_harmlessness_models(
         policy = add_adapters(policy, copy.deepcopy(peft_config), "model")
         if proposal is not None and not is_peft_model(proposal):
             proposal = add_adapters(proposal, copy.deepcopy(peft_config), "proposal_model")
-    if proposal is not None:
+    if head:  # after the adapters: q's base is the policy as trained
+        proposal = head_proposal(args, policy)
+    elif proposal is not None:
         if shares_parameters(proposal, policy):
             raise ValueError("proposal_model shares parameters with model: pass a separate copy.")
         if _vocab_size(proposal) != _vocab_size(policy):
@@ -159,6 +177,24 @@ def build_harmlessness_models(
         reference = ReferencePolicy(ref_model)
     logger.info("RePULSe reference policy p_0: %s.", reference.describe())
     return policy, proposal, reference
+
+
+def head_proposal(args, policy: nn.Module) -> ModulatedCausalLM:
+    """The proposal ``q ∝ p_θ·exp(m)`` of a ``modulation_*_head`` parameterization: a `ModulatedCausalLM` whose
+    base is the live ``policy`` (not frozen, not a submodule: only the head is q's) and whose head is initialised
+    from ``args.seed`` (``modulation_init_scale_divider``, ``modulation_init_head_from_base``)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(args.seed)
+        proposal = ModulatedCausalLM.from_base(
+            policy, modulation_kind_of(args.parameterization), init_scale_divider=args.modulation_init_scale_divider,
+            init_head_from_base=args.modulation_init_head_from_base,
+            base_model_name_or_path=getattr(policy, "name_or_path", None) or None, live_base=True,
+        )  # fmt: skip
+    logger.info(
+        "The proposal is a %s on the policy's trunk (%d trained parameters).",
+        proposal.config.modulation_kind, sum(p.numel() for p in proposal.parameters()),
+    )  # fmt: skip
+    return proposal
 
 
 def parameter_groups(

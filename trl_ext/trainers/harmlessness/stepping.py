@@ -6,10 +6,14 @@ and ``_timings``."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 from torch import nn
+
+from ...models.lm_head import split_lm_head
+from ...models.modulated import ModulatedCausalLM
 
 __all__ = ["TwoModelStepping"]
 
@@ -35,6 +39,38 @@ class TwoModelStepping:
             and args.disable_dropout and args.negative_sampler == "proposal" and args.uses_negative_samples
             and self.accelerator.num_processes == 1 and not self.is_deepspeed_enabled
         )  # fmt: skip
+
+    def _is_head_proposal(self) -> bool:
+        """Whether the proposal is a head on the live policy (``modulation_*_head``): then a fused step's policy
+        forward also gives its inputs, since its twist-loss step needs only the policy's final hidden states on q's
+        samples, which that forward computes anyway (no separate trunk pass for the q-step)."""
+        proposal = self.proposal
+        return isinstance(proposal, ModulatedCausalLM) and proposal.live_base
+
+    @contextlib.contextmanager
+    def _hidden_for_proposal(self, enabled: bool, parts: list, first_row: int):
+        """Around the policy forward over ``parts`` (the policy's rollout, then the proposal's from row
+        ``first_row``): with ``enabled``, keep the hidden states of the proposal's rows at the positions predicting its
+        response tokens for its proposal step (:meth:`_head_outputs`). None are kept when that forward scored through
+        the logits (e.g. a trained LM head); the proposal step then runs its own trunk pass."""
+        wrapper = self._wrapper
+        wrapper.keep_hidden, wrapper.last_hidden, self._negative_hidden = enabled, None, None
+        try:
+            yield
+        finally:
+            hidden, wrapper.keep_hidden, wrapper.last_hidden = wrapper.last_hidden, False, None
+        if enabled and hidden is not None:
+            rollout = parts[-1]
+            self._negative_hidden = (rollout, hidden[first_row:, : rollout.response_length])
+
+    def _head_outputs(self, rollout) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(log q, m)`` of a head proposal at ``rollout``'s response positions from the hidden states the policy
+        forward kept for it (see :meth:`_keep_negative_hidden`), or ``None`` (the twist loss then runs q itself)."""
+        kept, self._negative_hidden = getattr(self, "_negative_hidden", None), None
+        if kept is None or kept[0] is not rollout:
+            return None
+        split = split_lm_head(self.policy)
+        return None if split is None else self.proposal.outputs_from_hidden(kept[1], split.head)
 
     def _backward(self, loss: torch.Tensor) -> None:
         # Losses are already divided by the accumulation steps here; DeepSpeed must not divide again.

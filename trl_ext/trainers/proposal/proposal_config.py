@@ -147,14 +147,6 @@ class ProposalConfig(VLLMConfigMixin, TwistTargetConfig):
             "'sixo_approx', 'dpg', or a loss registered with kind 'twist'."
         },
     )
-    modulation_init_scale_divider: float = field(
-        default=1.0,
-        metadata={"help": "When the trainer builds the modulation: last layer starts as xavier_normal / divider."},
-    )
-    modulation_init_head_from_base: bool = field(
-        default=False,
-        metadata={"help": "When the trainer builds a model/linear_head modulation: start it from the base LM head."},
-    )
 
     # ---------------------------------------------------------------------------------------- data & length
     total_episodes: int | None = field(
@@ -198,17 +190,6 @@ class ProposalConfig(VLLMConfigMixin, TwistTargetConfig):
             validate_twist_setup(self.parameterization, self.loss_type)
         except ValueError as err:
             fail(str(err))
-        if not self.modulation_init_scale_divider > 0:
-            fail(f"modulation_init_scale_divider={self.modulation_init_scale_divider}: set a positive divider.")
-        if self.modulation_init_head_from_base and self.parameterization not in (
-            "modulation_model",
-            "modulation_linear_head",
-        ):
-            fail(
-                "modulation_init_head_from_base=True starts a Linear head on the base's final hidden state from the "
-                "base LM head, which only 'modulation_model' and 'modulation_linear_head' have; turn it off for "
-                f"parameterization={self.parameterization!r}."
-            )
         if not math.isfinite(self.target_dist_beta):
             fail(f"target_dist_beta={self.target_dist_beta} must be a finite number.")
         try:

@@ -193,6 +193,8 @@ def is_modulated_model(model: nn.Module) -> bool:
 
 def _check_model(model: nn.Module, parameterization: str) -> None:
     inner = unwrap_model(model)
+    if callable(getattr(inner, "acting_model", None)):  # a trainer's module of several models (`ModelParts`)
+        inner = unwrap_model(inner.acting_model())
     modulated = isinstance(inner, ModulatedCausalLM)
     if parameterization in MODULATION_PARAMETERIZATIONS:
         kind = modulation_kind_of(parameterization)
@@ -362,6 +364,7 @@ def twist_loss(
     return_entropy: bool = True,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     padding_free: bool = False,
+    response_outputs: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> TwistLossOutput:
     """The twist loss of ``q`` (``model``) on its own samples, towards ``σ ∝ p·exp(log φ)``.
 
@@ -388,6 +391,10 @@ def twist_loss(
         chunk_size: tokens per chunk of the log-prob computation.
         padding_free: run ``q`` with the rows packed into one sequence (only where
             :func:`twist_uses_logprobs_only`; see `trl_ext.rollout.scoring`).
+        response_outputs: ``(logits, modulation_logits)`` ``(B, T, V)`` of ``q`` at the positions that predict the
+            response tokens, computed by the caller (a head proposal on the policy's trunk, from the policy's own
+            hidden states): ``model`` is then not run. Not with ``base_batch`` nor where
+            :func:`twist_uses_logprobs_only`.
 
     When :func:`twist_uses_logprobs_only`, ``q`` is scored through
     :func:`~trl_ext.rollout.scoring.forward_response` (from its hidden states, no ``(B, T, V)`` logits, where the
@@ -436,13 +443,15 @@ def twist_loss(
             f"padding_free=True needs a twist read from token log-probs alone; parameterization={parameterization!r} "
             f"with loss_type={loss_type!r} needs q's logits. Use padding_free=False."
         )
+    if response_outputs is not None and (logprobs_only or base_batch is not None):
+        raise ValueError("response_outputs replaces q's logits forward: not with base_batch or a log-prob twist.")
     entropy = None
     if logprobs_only:
         scored = _response_logprobs(model, batches, temperature, chunk_size, return_entropy, padding_free)
         outputs = [(None, None)] * len(batches)
         q_logprobs, entropy = scored[0]
     else:
-        outputs = _response_outputs(model, batches)
+        outputs = [response_outputs] if response_outputs is not None else _response_outputs(model, batches)
         logits, modulation = outputs[0]
         q_logprobs = logprobs_from_logits(logits, tokens, temperature=temperature, chunk_size=chunk_size)
         q_logprobs = torch.where(keep, q_logprobs, torch.zeros_like(q_logprobs))
