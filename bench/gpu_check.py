@@ -33,9 +33,9 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASSETS = os.path.join(REPO, ".gpu")
-#: Wheels for the GPU image (py3.12, torch 2.11, transformers 5.17, no trl/datasets): ours, then the peer's.
-OURS_WHEELS = ("transformers==5.23.0", "trl==1.16.0", "datasets==4.8.5", "dill==0.4.0", "multiprocess==0.70.18",
-               "alt-profanity-check==1.7.2")  # fmt: skip
+#: What the GPU image (py3.12, torch 2.11, transformers 5.17, no trl/datasets) lacks for ours, at the lock's versions;
+#: the peer adds TRL 1.12 in front of them.
+OURS_PACKAGES = ("transformers", "trl", "datasets", "dill", "multiprocess", "alt-profanity-check")
 PEER_WHEELS = ("trl==1.12.0",)
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
 SMOLLM2_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -50,7 +50,7 @@ def prepare(assets: str = ASSETS) -> None:
     from trl_ext.data import load_rtp_prompts
     from trl_ext.models.smollm2 import smollm2_path
 
-    for name, wheels in (("whl", OURS_WHEELS), ("whl-trl112", PEER_WHEELS)):
+    for name, wheels in (("whl", locked(OURS_PACKAGES)), ("whl-trl112", PEER_WHEELS)):
         target = os.path.join(assets, name)
         os.makedirs(target, exist_ok=True)
         platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
@@ -65,6 +65,16 @@ def prepare(assets: str = ASSETS) -> None:
     with open(os.path.join(assets, "rtp_train_prompts.json"), "w") as f:
         json.dump([str(p) for p in load_rtp_prompts("train")["prompt"]], f)
     print(f"Wrote {assets} ({_size_mib(assets):.1f} MiB); carry it: run(..., carry=['.gpu']).")
+
+
+def locked(names: tuple[str, ...], lock: str = os.path.join(REPO, "requirements", "lock.txt")) -> list[str]:
+    """``name==version`` of each of ``names`` as the lock pins it."""
+    with open(lock, encoding="utf-8") as f:
+        pins = dict(line.strip().split("==", 1) for line in f if "==" in line and not line.startswith("#"))
+    missing = [n for n in names if n not in pins]
+    if missing:
+        raise SystemExit(f"{lock} pins no {', '.join(missing)}.")
+    return [f"{n}=={pins[n].split(';')[0].strip()}" for n in names]
 
 
 def _size_mib(folder: str) -> float:

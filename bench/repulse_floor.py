@@ -8,12 +8,17 @@ trl_ext's around it:
   cached forwards: what any sampler must do);
 - ``scoring``: a no-grad forward of the other model (``p_0`` for the policy's rows, ``p_θ`` for the proposal's) on
   prompt + response, logits only at the response positions (``logits_to_keep``), and the gather of the response
-  tokens' log-probs, then the reward on the decoded texts (ours also runs each prompt once here, bare does not);
+  tokens' log-probs, then the reward on the decoded texts (ours also runs each prompt once here, bare does not); a
+  fused RePULSe step needs only the reward for q's rows (``reward_proposal``: their ``log p_θ`` come from the
+  policy step's forward over them);
 - ``step``: a forward with gradient of the trained model on prompt + response (logits at the response positions
   only), the sum of the response tokens' log-probs (weighted by random constants, as a loss is) and its backward
   (only the top blocks are trainable, as in the runs); the policy's step runs on its own rows plus the proposal's in
   RePULSe;
-- ``optimizer``: one AdamW step of the trainable parameters (their gradients set).
+- ``optimizer``: one AdamW step of the trainable parameters (their gradients set);
+- with ``head``: q is a ``Linear(h, V)`` on the policy's trunk, so its sampling runs the policy plus the head, its
+  step is the head's forward and backward on the hidden states the policy step computed (plus the LM head, no
+  grad), and ``optimizer_proposal`` steps the head alone.
 
 Every part is timed ``repeats`` times after a warm-up, and the median is kept. `floor_of` adds a method's parts up.
 """
@@ -151,6 +156,8 @@ def bare_parts(
             reward(prompt_texts, texts)
 
         out[f"scoring_{part}"] = _median_seconds(score, repeats)
+        if part == "proposal":  # the reward alone: a fused step takes q's log p_θ from the policy step's forward
+            out["reward_proposal"] = _median_seconds(lambda t=texts, p=prompt_texts: reward(p, t), repeats)
 
     def step(model, parts):
         ids = torch.cat([full[p][0] for p in parts]) if len(parts) > 1 else full[parts[0]][0]
@@ -174,13 +181,16 @@ def bare_parts(
         q_ids, q_mask = full["proposal"]
         weights = torch.randn(q_ids.shape[0], new_tokens, generator=generator)
 
+        with torch.no_grad():  # the policy step's forward computes these hidden states anyway (shared, not timed)
+            hidden = models["policy"](input_ids=q_ids, attention_mask=q_mask, output_hidden_states=True)
+            hidden = hidden.hidden_states[-1][:, -new_tokens - 1 : -1]
+        lm_head = models["policy"].get_output_embeddings()
+
         def head_step():
             tilt.zero_grad(set_to_none=True)
             with torch.no_grad():
-                base = models["policy"](input_ids=q_ids, attention_mask=q_mask, logits_to_keep=new_tokens + 1,
-                                        output_hidden_states=True)  # fmt: skip
-            log_p = torch.log_softmax(base.logits[:, :-1].float(), -1)
-            log_q = torch.log_softmax(log_p + tilt(base.hidden_states[-1][:, -new_tokens - 1 : -1]), -1)
+                log_p = torch.log_softmax(lm_head(hidden).float(), -1)
+            log_q = torch.log_softmax(log_p + tilt(hidden), -1)
             (weights * log_q.gather(-1, q_ids[:, -new_tokens:, None]).squeeze(-1)).mean().backward()
 
         out["proposal_step"] = _median_seconds(head_step, repeats)
@@ -190,10 +200,12 @@ def bare_parts(
     return out
 
 
-def floor_of(method: str, parts: dict[str, float], reuse: int = 1) -> dict[str, float]:
+def floor_of(method: str, parts: dict[str, float], reuse: int = 1, fused: bool = True) -> dict[str, float]:
     """The bare parts of one ``method``'s update (``"REINFORCE"`` or ``"RePULSe"``), by the trainer's phase names;
     their sum is the update's floor. ``reuse``: RePULSe's ``proposal_reuse_steps`` (the proposal's parts then run
-    once every ``reuse`` updates: their mean share)."""
+    once every ``reuse`` updates: their mean share). ``fused``: q's samples get their ``log p_θ`` from the policy
+    step's forward over them (which ``policy_step`` already counts), so scoring them is the reward alone; ``False``
+    (``--no-fuse``): a no-grad ``p_θ`` pass too."""
     if method == "REINFORCE":
         return {
             "sampling_policy": parts["sampling_policy"],
@@ -205,7 +217,8 @@ def floor_of(method: str, parts: dict[str, float], reuse: int = 1) -> dict[str, 
         "sampling_policy": parts["sampling_policy"],
         "scoring_policy": parts["scoring_policy"],
         "sampling_proposal": parts["sampling_proposal"] / reuse,
-        "scoring_proposal": parts["scoring_proposal"],  # p_θ on the negatives: every update (fused or not)
+        # the negatives are scored every update (reused ones too); fused: their log p_θ come from the policy step
+        "scoring_proposal": parts["reward_proposal"] / reuse if fused else parts["scoring_proposal"],
         "proposal_step": parts["proposal_step"] / reuse,
         "policy_step": parts["policy_step"],
         "optimizer": parts["optimizer"] + parts.get("optimizer_proposal", parts["optimizer"]) / reuse,

@@ -301,13 +301,13 @@ def summarize(runs: list[dict]) -> dict:
     return summary
 
 
-def add_floor(summary: dict, parts: dict[str, float], reuse: int = 1) -> None:
+def add_floor(summary: dict, parts: dict[str, float], reuse: int = 1, fused: bool = True) -> None:
     """Each method's bare parts (`repulse_floor.floor_of`), their sum and the update's ratio to it."""
     from repulse_floor import floor_of
 
     summary["bare_parts_s"] = parts
     for name, m in summary["methods"].items():
-        floor = floor_of(name, parts, reuse)
+        floor = floor_of(name, parts, reuse, fused)
         m["floor_parts_s"] = floor
         m["floor_s"] = sum(floor.values())
         m["over_floor"] = m["s_per_update"] / m["floor_s"]
@@ -508,7 +508,7 @@ def main(argv=None) -> dict:
             trainable_layers=args.trainable_layers, with_reference=args.kl_coef > 0, repeats=args.floor_repeats,
             head=args.proposal_head,
         )  # fmt: skip
-        add_floor(summary, parts, args.proposal_reuse)
+        add_floor(summary, parts, args.proposal_reuse, fused=not args.no_fuse)
     title = f"Seconds per policy update: {model_name}, shape {args.shape}, {batch} x {args.response_length} tokens"
     print_report(summary, console, title)
     result = {

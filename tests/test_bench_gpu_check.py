@@ -29,3 +29,13 @@ def test_the_gpu_check_dry_run_runs_every_step(tmp_path, monkeypatch):
     )
     ppo = json.loads((tmp_path / "ppo_vs_trl112.json").read_text())
     assert ppo["ours"] and ppo["ours"][0]["updates_per_s"] > 0 and not ppo["peer"]
+
+
+def test_the_gpu_wheels_are_the_locks_versions(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("gpu_check", None)
+    import gpu_check
+
+    pins = gpu_check.locked(gpu_check.OURS_PACKAGES)
+    lock = (BENCH.parent / "requirements" / "lock.txt").read_text()
+    assert len(pins) == len(gpu_check.OURS_PACKAGES) and all(f"\n{pin}" in f"\n{lock}" for pin in pins)

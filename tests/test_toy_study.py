@@ -367,3 +367,37 @@ def test_word_list_alignment_splits_the_first_token_mass_by_the_classifier():
         assert r["flagged_share"] == pytest.approx(flagged / r["first_token_mass"])
         assert r["flagged_share"] + r["unflagged_share"] == pytest.approx(1.0)
     assert "held-out word list" in alignment_markdown(result)
+
+
+def test_the_options_plan_and_report_pair_each_option_with_its_base(tmp_path):
+    from trl_ext.recipes import toy_study
+    from trl_ext.study.toy_options import options_report
+
+    runs = toy_runs(ToyConfig(model="tiny"), toy_study.PLANS["options"])
+    assert {r.setting for r in runs} == {f"a0.03_b-10_{n}" for n in ("m2", "reuse2", "m2_reuse2", "head")}
+    by = {r.setting: r.options for r in runs}
+    assert by["a0.03_b-10_m2"]["proposal_samples_per_prompt"] * 2 == ToyConfig(model="tiny").samples_per_update
+    assert by["a0.03_b-10_m2_reuse2"]["proposal_reuse_steps"] == 2 and by["a0.03_b-10_head"]["alpha"] == 0.03
+    assert by["a0.03_b-10_head"]["parameterization"] == "modulation_linear_head"
+    # fake runs: the option is 0.2 worse in log10 P(bad) than its base on every seed, and the base 0.5 better than
+    # REINFORCE
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    (tmp_path / "initial.json").write_text(json.dumps({"evals": [_point(0, 0.0, -0.2, 1e-2)]}))
+    for seed in range(3):
+        for (method, setting), log_bad in {("REINFORCE", "default"): -3.0, ("RePULSe", "a0.03_b-10"): -3.5,
+                                           ("RePULSe", "a0.03_b-10_m2"): -3.3}.items():  # fmt: skip
+            summary = _summary(method, setting, seed, [_point(5, 1.0, -0.1, 10 ** (log_bad + 0.1 * seed))],
+                               seconds_per_update={"a0.03_b-10_m2": 5.0}.get(setting, 10.0))  # fmt: skip
+            (folder / f"{method}__{setting}__seed{seed}.json").write_text(json.dumps(summary))
+    report = options_report(str(tmp_path), log=lambda m: None)
+    # at KL level x (the runs end at KL 1): log10 P(bad) is interpolated from the initial -2, so differences are x·Δ
+    assert report["levels"] == pytest.approx([0.25, 0.5, 0.75])
+    rows = [r for r in report["tables"]["p_bad"] if r["method"] == "RePULSe/a0.03_b-10_m2"]
+    assert [r["diff_mean"] for r in rows] == pytest.approx([0.05, 0.1, 0.15]) and rows[0]["pairs"] == 3
+    top = [r for r in report["tables"]["p_bad_vs_reinforce"] if r["level"] == pytest.approx(0.75)]
+    assert {r["method"]: r["diff_mean"] for r in top} == pytest.approx(
+        {"RePULSe/a0.03_b-10": -0.375, "RePULSe/a0.03_b-10_m2": -0.225}
+    )
+    assert report["seconds_per_update"]["RePULSe/a0.03_b-10_m2"] == 5.0
+    assert "RePULSe/a0.03_b-10_m2 | 5.00 | 0.50×" in (tmp_path / "options.md").read_text()

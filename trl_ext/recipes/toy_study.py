@@ -151,6 +151,10 @@ def main(argv=None):
                 raise SystemExit(f"A worker failed (exit codes {codes}); rerun to resume.")
     if args.worker:
         return None
+    if args.plan == "options":  # its own paired table (options.md); the main table.md is left as it is
+        from trl_ext.study.toy_options import options_report
+
+        return options_report(args.results_dir)
     from trl_ext.study.toy_report import write_report
 
     return write_report(args.results_dir, config, runs, main_setting=("RePULSe", MAIN_ALPHA))
