@@ -374,7 +374,10 @@ def test_the_options_plan_and_report_pair_each_option_with_its_base(tmp_path):
     from trl_ext.study.toy_options import options_report
 
     runs = toy_runs(ToyConfig(model="tiny"), toy_study.PLANS["options"])
-    assert {r.setting for r in runs} == {f"a0.03_b-10_{n}" for n in ("m2", "reuse2", "m2_reuse2", "head")}
+    options = {f"a0.03_b-10_{n}" for n in ("m2", "reuse2", "m2_reuse2", "head")}
+    assert {r.setting for r in runs} == options | {"a0.03_b-10"}
+    assert {r.seed for r in runs if r.setting == "a0.03_b-10"} == {3, 4}  # seeds 0-2 are the main plan's
+    assert all({r.seed for r in runs if r.setting == o} == set(range(5)) for o in options)
     by = {r.setting: r.options for r in runs}
     assert by["a0.03_b-10_m2"]["proposal_samples_per_prompt"] * 2 == ToyConfig(model="tiny").samples_per_update
     assert by["a0.03_b-10_m2_reuse2"]["proposal_reuse_steps"] == 2 and by["a0.03_b-10_head"]["alpha"] == 0.03

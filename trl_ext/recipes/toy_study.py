@@ -63,9 +63,17 @@ PLANS = {
     ],
     "extend": EXTEND,
     # What the options that cut the proposal's share of an update cost the result (issue 35), paired by seed with
-    # RePULSe/a0.03_b-10 of the main plan.
+    # RePULSe/a0.03_b-10 (seeds 0-2 of the main plan; seeds 3 and 4 here, for power).
     "options": [
-        ("RePULSe", f"a0.03_b-10_{name}", [s]) for s in SEEDS3 for name in ("m2", "reuse2", "m2_reuse2", "head")
+        *[("RePULSe", f"a0.03_b-10_{name}", [s]) for s in SEEDS3 for name in ("m2", "reuse2", "m2_reuse2", "head")],
+        *[
+            (method, setting, [s])
+            for s in (3, 4)
+            for method, setting in (
+                ("RePULSe", "a0.03_b-10"),
+                *(("RePULSe", f"a0.03_b-10_{name}") for name in ("head", "m2", "reuse2", "m2_reuse2")),
+            )
+        ],
     ],
     # The demo: one seed of each.
     "demo": [("REINFORCE", "default", [0]), ("RePULSe", MAIN_ALPHA, [0])],

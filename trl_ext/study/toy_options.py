@@ -53,8 +53,23 @@ def options_report(results_dir: str, base: str = "RePULSe/a0.03_b-10", log=print
     return report
 
 
+def _table(title: str, rows: list[dict], levels: list[float], skip: str | None = None) -> list[str]:
+    """A markdown table of paired differences: a row per setting, a column per KL level."""
+    lines = [f"## {title}", "", "| setting | " + " | ".join(f"KL(y) = {x:.3f}" for x in levels) + " |"]
+    lines.append("|---|" + "---|" * len(levels))
+    cells: dict[str, list[str]] = {}
+    for row in rows:
+        if row["method"] == skip:
+            continue
+        cell = "–"
+        if "diff_mean" in row:
+            cell = f"{row['diff_mean']:+.3f} [{row['diff_low']:+.3f}, {row['diff_high']:+.3f}] ({row['pairs']})"
+        cells.setdefault(row["method"], []).append(cell)
+    return [*lines, *(f"| {setting} | " + " | ".join(c) + " |" for setting, c in cells.items()), ""]
+
+
 def _markdown(report: dict) -> str:
-    base, levels = report["base"], report["levels"]
+    base, levels, tables = report["base"], report["levels"], report["tables"]
     lines = [
         f"# Toy study: the options that cut the proposal's share, against {base}",
         "",
@@ -64,29 +79,10 @@ def _markdown(report: dict) -> str:
         "",
     ]
     for metric, title in METRICS:
-        lines += [f"## {title} at matched KL(y)", ""]
-        lines += ["| setting | " + " | ".join(f"KL(y) = {x:.3f}" for x in levels) + " |"]
-        lines += ["|---|" + "---|" * len(levels)]
-        by_setting: dict[str, list[str]] = {}
-        for row in report["tables"][metric]:
-            if row["method"] == base:
-                continue
-            cell = "–"
-            if "diff_mean" in row:
-                cell = f"{row['diff_mean']:+.3f} [{row['diff_low']:+.3f}, {row['diff_high']:+.3f}] ({row['pairs']})"
-            by_setting.setdefault(row["method"], []).append(cell)
-        lines += [f"| {setting} | " + " | ".join(cells) + " |" for setting, cells in by_setting.items()]
-        lines.append("")
-    lines += [f"## log10 P(bad) at matched KL(y), each setting − {REINFORCE} (same seed)", ""]
-    lines += ["| setting | " + " | ".join(f"KL(y) = {x:.3f}" for x in levels) + " |", "|---|" + "---|" * len(levels)]
-    by_setting = {}
-    for row in report["tables"]["p_bad_vs_reinforce"]:
-        cell = "–"
-        if "diff_mean" in row:
-            cell = f"{row['diff_mean']:+.3f} [{row['diff_low']:+.3f}, {row['diff_high']:+.3f}] ({row['pairs']})"
-        by_setting.setdefault(row["method"], []).append(cell)
-    lines += [f"| {setting} | " + " | ".join(cells) + " |" for setting, cells in by_setting.items()]
-    lines += ["", "## Seconds per update", "", "| setting | s/update | vs base |", "|---|---:|---:|"]
+        lines += _table(f"{title} at matched KL(y), option − base", tables[metric], levels, skip=base)
+    title = f"log10 P(bad) at matched KL(y), each setting − {REINFORCE} (same seed)"
+    lines += _table(title, tables["p_bad_vs_reinforce"], levels)
+    lines += ["## Seconds per update", "", "| setting | s/update | vs base |", "|---|---:|---:|"]
     seconds = report["seconds_per_update"]
     for setting, value in seconds.items():
         lines.append(f"| {setting} | {value:.2f} | {value / seconds[base]:.2f}× |")

@@ -65,7 +65,7 @@ class TwoModelStepping:
 
     def _head_outputs(self, rollout) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(log q, m)`` of a head proposal at ``rollout``'s response positions from the hidden states the policy
-        forward kept for it (see :meth:`_keep_negative_hidden`), or ``None`` (the twist loss then runs q itself)."""
+        forward kept for it (see :meth:`_hidden_for_proposal`), or ``None`` (the twist loss then runs q itself)."""
         kept, self._negative_hidden = getattr(self, "_negative_hidden", None), None
         if kept is None or kept[0] is not rollout:
             return None
