@@ -89,7 +89,8 @@ def _install(assets: str) -> dict[str, str]:
         wheels = sorted(os.path.join(assets, name, w) for w in os.listdir(os.path.join(assets, name)))
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                         "--no-cache-dir", "--upgrade", "--target", site, *wheels], check=True)  # fmt: skip
-    return {"ours": sites["ours"], "peer": f"{sites['peer']}{os.pathsep}{sites['ours']}"}
+    # ours also imports trl_ext from this checkout (it is not installed there)
+    return {"ours": f"{REPO}{os.pathsep}{sites['ours']}", "peer": f"{sites['peer']}{os.pathsep}{sites['ours']}"}
 
 
 def _wrapper(path: str, pythonpath: str) -> str:
