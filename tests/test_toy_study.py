@@ -62,10 +62,12 @@ def test_response_score_expectations_match_brute_force(tiny, temperature):
                                         prune_below=1e-300, remainder_samples=2)  # fmt: skip
     assert exact.pruned_mass == 0.0 and exact.remainder_samples == 0
     assert exact.enumerated_mass == pytest.approx(1.0, abs=1e-9)
+    # fp32 probabilities from two different batchings: at T = 0.1 the logits are scaled by 10, and so is their
+    # rounding (1.4e-6 relative with one torch thread), hence 1e-5
     for name, value in truth.items():
-        assert exact.scores[name].estimate == pytest.approx(value, rel=1e-6) and exact.scores[name].stderr == 0
-    assert exact.entropy == pytest.approx(entropy, rel=1e-6)
-    assert exact.top_probability == pytest.approx(probs.max(), rel=1e-6)
+        assert exact.scores[name].estimate == pytest.approx(value, rel=1e-5) and exact.scores[name].stderr == 0
+    assert exact.entropy == pytest.approx(entropy, rel=1e-5)
+    assert exact.top_probability == pytest.approx(probs.max(), rel=1e-5)
     # pruned: unbiased, with a calibrated standard error, always inside the certified interval
     estimates, ses = [], []
     for seed in range(30):
