@@ -296,7 +296,8 @@ class HarmlessnessTrainer(
         self._update_policy_reward_normalizer(rollouts.policy)
         forward = None
         if fused:  # the policy's forward first: its log p_θ on q's samples are q's reference log-probs
-            forward = self._policy_forward(model, rollouts, share_trunk=self._is_head_proposal())
+            share = self._is_head_proposal() and not rollouts.proposal_reused  # (a reused rollout has no q-step)
+            forward = self._policy_forward(model, rollouts, share_trunk=share)
             q = rollouts.proposal
             if q.ref_logprobs is None:  # (a reused rollout checked with `proposal_reuse_min_ess` has them)
                 q.ref_logprobs = torch.where(q.response_mask != 0, forward[1].detach(), torch.zeros_like(q.logprobs))
