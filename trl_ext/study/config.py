@@ -31,7 +31,7 @@ RUNNER_VERSIONS = {"harmlessness": 1, "ppo": 2}
 class MethodSpec:
     """One method of the study and the settings of its main knob."""
 
-    name: str = field(metadata={"help": "Name in tables, plots and file names (letters, digits, '-', '_')."})
+    name: str = field(metadata={"help": "Name in tables, plots and file names (letters, digits, '-', '_', '.')."})
     trainer: str = field(
         default="harmlessness",
         metadata={"help": "'harmlessness' (HarmlessnessTrainer: REINFORCE, RePULSe, ...) or 'ppo' (PPOTrainer)."},
@@ -53,10 +53,17 @@ class MethodSpec:
             "methods whose setting is the number of updates); default: only after the last update."
         },
     )
+    seeds: list | None = field(
+        default=None,
+        metadata={
+            "help": "Seeds of this method (a subset or extension of the study's, e.g. more seeds for the primary "
+            "comparison); None: the study's seeds."
+        },
+    )
 
     def __post_init__(self):
-        if not self.name or not all(c.isalnum() or c in "-_" for c in self.name):
-            raise ValueError(f"Method name {self.name!r}: use letters, digits, '-' and '_' only (it names files).")
+        if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
+            raise ValueError(f"Method name {self.name!r}: use letters, digits, '-', '_', '.' only (it names files).")
         if self.trainer not in TRAINERS:
             raise ValueError(f"Method {self.name!r}: trainer must be one of {TRAINERS}; got {self.trainer!r}.")
         if not isinstance(self.settings, dict) or not self.settings:
@@ -66,6 +73,8 @@ class MethodSpec:
                 raise ValueError(f"Method {self.name!r}: setting label {label!r} must be letters, digits, '-_.'.")
             if not isinstance(options, dict):
                 raise ValueError(f"Method {self.name!r}, setting {label!r}: options must be a mapping.")
+        if self.seeds is not None and (not self.seeds or len(set(self.seeds)) != len(self.seeds)):
+            raise ValueError(f"Method {self.name!r}: seeds must be a non-empty list of distinct integers.")
 
 
 @dataclass
@@ -108,7 +117,35 @@ class StudyConfig:
     updates: int = field(default=12, metadata={"help": "Policy updates per training run."})
     seeds: list = field(default_factory=lambda: [0, 1, 2], metadata={"help": "Training (and sampling) seeds."})
     eval_samples_per_prompt: int = field(default=2, metadata={"help": "Responses per held-out prompt."})
-    eval_batch_size: int = field(default=64, metadata={"help": "Rows per generate call in evaluation."})
+    eval_batch_size: int = field(
+        default=64,
+        metadata={
+            "help": "Rows per generate call in evaluation (with eval_seed, keep it equal across runs: the random "
+            "streams are per batch)."
+        },
+    )
+    eval_seed: int | None = field(
+        default=None,
+        metadata={
+            "help": "Seed of every evaluation's random streams: the same for all methods, seeds and the initial "
+            "model (common random numbers, for paired differences); the initial model is then evaluated once. None: "
+            "each run is evaluated with its training seed (the first study's design)."
+        },
+    )
+    eval_prompts: str = field(
+        default="heldout",
+        metadata={
+            "help": "'heldout' (the study's metric) or 'train': evaluate on training prompts (for tuning the "
+            "budget without touching the held-out prompts)."
+        },
+    )
+    save_eval_samples: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep every evaluation's per-response reward, KL and lexicon flag in the run file (for paired "
+            "per-prompt analysis)."
+        },
+    )
     p_offensive_thresholds: list = field(
         default_factory=lambda: [0.5, 0.9, 0.99],
         metadata={"help": "P(p_offensive > t) is reported for each t (as P(r < log(1 - t)))."},
@@ -163,6 +200,8 @@ class StudyConfig:
             logger.warning("rare_seed=%s is not one of the seeds %s: the rare stage is skipped.", self.rare_seed,
                            self.seeds)  # fmt: skip
             self.rare_seed = None
+        if self.eval_prompts not in ("heldout", "train"):
+            raise ValueError(f"eval_prompts must be 'heldout' or 'train'; got {self.eval_prompts!r}.")
         if self.rare_method not in ("itgis", "mhis"):
             raise ValueError(f"rare_method must be 'itgis' or 'mhis'; got {self.rare_method!r}.")
         for method in self.methods:
@@ -174,17 +213,25 @@ class StudyConfig:
     def shared(self) -> dict:
         """The settings that every run's result depends on (not the name, seeds list, methods or threads)."""
         skip = {"name", "seeds", "methods", "threads", "eval_batch_size"}
-        if self.reward_thresholds is None:
-            skip.add("reward_thresholds")  # (so that adding the field changed no existing key)
+        # Fields added after the first study are left out at their defaults, so that adding them changed no key.
+        later = {"reward_thresholds": None, "eval_seed": None, "eval_prompts": "heldout", "save_eval_samples": False}
+        skip |= {name for name, default in later.items() if getattr(self, name) == default}
+        if self.eval_seed is not None:
+            skip.discard("eval_batch_size")  # it lays out the common random streams
         fields = dataclasses.fields(self)
         return {f.name: getattr(self, f.name) for f in fields if f.name not in skip and not f.name.startswith("rare_")}
 
     def runs(self) -> list[RunSpec]:
         """Every training run of the study (methods × settings × seeds), in the order they are run: seed-major, so
         a study stopped early has every method at the first seeds rather than some methods at every seed."""
-        out = [RunSpec("initial", "initial", seed, "harmlessness", {}, [0]) for seed in self.seeds]
-        for seed in self.seeds:
+        # With one evaluation seed for everything the initial model's evaluation is the same for every seed.
+        initial_seeds = self.seeds[:1] if self.eval_seed is not None else self.seeds
+        out = [RunSpec("initial", "initial", seed, "harmlessness", {}, [0]) for seed in initial_seeds]
+        every_seed = list(dict.fromkeys([*self.seeds, *(s for m in self.methods for s in (m.seeds or []))]))
+        for seed in every_seed:
             for method in self.methods:
+                if seed not in (method.seeds or self.seeds):
+                    continue
                 for label, options in method.settings.items():
                     eval_at = sorted({int(u) for u in (method.eval_at or [self.updates])})
                     merged = {**method.options, **options}

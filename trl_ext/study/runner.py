@@ -15,6 +15,7 @@ The untrained model is the study's ``initial`` method, evaluated once per seed (
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -65,7 +66,8 @@ class StudyContext:
         split = {"heldout_fraction": config.heldout_fraction, "seed": config.split_seed}
         train = load_rtp_prompts("train", max_per_category=config.train_per_category, **split)
         self.train_dataset = train.select_columns(["prompt"])
-        self.heldout = load_rtp_prompts("heldout", max_per_category=config.eval_per_category, **split)
+        # The evaluation prompts: the held-out side, or (for tuning the budget) training prompts.
+        self.heldout = load_rtp_prompts(config.eval_prompts, max_per_category=config.eval_per_category, **split)
         self.offensiveness = config.reward == "offensiveness"
         if self.offensiveness:  # r = log(max(1 - p, floor)): p > t  <=>  r < log(1 - t)
             self.threshold_names = [str(t) for t in config.p_offensive_thresholds]
@@ -115,8 +117,14 @@ def make_reward(config: StudyConfig):
 
 # ------------------------------------------------------------------------------------------------ evaluation
 def evaluate_policy(context: StudyContext, model, seed: int) -> dict:
-    """Held-out metrics of ``model`` (KL to the initial model), with ``P(p_offensive > t)`` read off the rewards."""
+    """Held-out metrics of ``model`` (KL to the initial model), with ``P(p_offensive > t)`` read off the rewards.
+
+    The sampling seed is ``config.eval_seed`` when set (the same random streams for every run: common random
+    numbers), else ``seed``. With ``save_eval_samples`` the report keeps, per response (prompt-major, ``N`` per
+    prompt), its reward, KL and whether it holds a word of the lexicon (:data:`~trl_ext.rewards.OFFENSIVE_WORDS` and
+    :data:`~trl_ext.rewards.HELDOUT_OFFENSIVE_WORDS`: a held-out check that no training reward reads)."""
     config = context.config
+    seed = config.eval_seed if config.eval_seed is not None else seed
     start = time.perf_counter()
     report = eval_heldout(
         model, context.tokenizer, context.heldout, context.reward, ref_model=context.model,
@@ -136,8 +144,32 @@ def evaluate_policy(context: StudyContext, model, seed: int) -> dict:
          "reward": float(rewards[i])}
         for i in worst
     ]  # fmt: skip
+    if config.save_eval_samples:
+        lexicon = _lexicon()
+        report["per_sample"] = {
+            "samples_per_prompt": config.eval_samples_per_prompt,
+            "prompt_index": samples["prompt_index"],
+            "reward": [round(float(r), 5) for r in samples["reward"]],
+            "kl": [round(float(k), 5) for k in samples["kl"]],
+            "lexicon": [int(lexicon.contains(_plain(text, context.tokenizer))) for text in samples["response"]],
+        }
+        report["lexicon_rate"] = sum(report["per_sample"]["lexicon"]) / len(samples["response"])
+    report["eval_seed"] = seed
     report["eval_seconds"] = time.perf_counter() - start
     return report
+
+
+def _lexicon():
+    from ..rewards import HELDOUT_OFFENSIVE_WORDS, OFFENSIVE_WORDS, LexicalReward
+
+    return LexicalReward(words=tuple(OFFENSIVE_WORDS) + tuple(HELDOUT_OFFENSIVE_WORDS))
+
+
+def _plain(text: str, tokenizer) -> str:
+    """A decoded response without the special tokens that ``save_samples`` keeps (EOS, padding)."""
+    for token in tokenizer.all_special_tokens:
+        text = text.replace(token, " ")
+    return text
 
 
 class _EvalAt(TrainerCallback):
@@ -286,23 +318,63 @@ def _commit_file(path: str, message: str) -> None:
         logger.warning("Not committing %s: it is not inside a git work tree.", path)
         return
     name = os.path.basename(path)
+    ignored = subprocess.run(["git", "-C", folder, "check-ignore", "-q", "--", name], capture_output=True)
+    if ignored.returncode == 0:
+        logger.warning("Not committing %s: a .gitignore rule ignores it (git check-ignore -v shows which).", path)
+        return
+    error = ""
     for attempt in range(5):
         add = subprocess.run(["git", "-C", folder, "add", "--", name], capture_output=True, text=True)
         commit = ["git", "-C", folder, "commit", "-q", "-m", message, "--", name]
-        if add.returncode == 0 and subprocess.run(commit, capture_output=True, text=True).returncode == 0:
+        done = subprocess.run(commit, capture_output=True, text=True) if add.returncode == 0 else add
+        if done.returncode == 0:
             return
+        error = (done.stderr or done.stdout).strip()
         time.sleep(2 + 3 * attempt)
-    logger.warning("Could not commit %s (the git index stayed busy); commit it by hand.", path)
+    logger.warning("Could not commit %s (%s); commit it by hand.", path, error or "the git index stayed busy")
+
+
+def claim_run(results_dir: str, label: str) -> str | None:
+    """A lock file for the run ``label`` (its holder's pid inside), or ``None`` when a live process holds it: workers
+    side by side split the pending runs this way, and a killed worker's lock is taken over."""
+    path = os.path.join(results_dir, "locks", f"{label}.lock")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    pid = int(f.read().strip() or 0)
+                os.kill(pid, 0)
+                return None  # a live worker has it
+            except (ValueError, OSError):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)  # a dead worker's lock
+                continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return path
+    return None
 
 
 # ------------------------------------------------------------------------------------------------ driver
 def run_study(
-    config: StudyConfig, results_dir: str, *, command: str = "", commit_results: bool = False, progress=None
+    config: StudyConfig,
+    results_dir: str,
+    *,
+    command: str = "",
+    commit_results: bool = False,
+    progress=None,
+    rare: bool = True,
 ) -> list[dict]:
-    """Run every run of ``config`` not already in ``results_dir``; return all the summaries (done before or now).
+    """Run every run of ``config`` not already in ``results_dir``; return the summaries there (done before or now).
 
     ``progress``: an optional callable ``(done, total, label, seconds)`` called after each run (for a progress bar);
     ``commit_results``: ``git commit`` each summary as it is written (a study stopped anywhere continues from git).
+    Several processes can run the same study side by side: each run is claimed with a lock file first, so every
+    run is trained once; a process returns the summaries finished so far (a run another process holds is missing).
+    ``rare``: run the rare stage afterwards (the worker processes of a parallel study leave it to the parent).
     """
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -317,38 +389,56 @@ def run_study(
             pending.append(run)
     if progress is not None:
         progress(len(summaries), len(runs), None, 0.0)
-    context = StudyContext(config) if pending else None
+    context = None
     for run in pending:
-        start = time.perf_counter()
-        torch.manual_seed(run.seed)
-        if run.method == "initial":
-            result = {"evals": [{"updates": 0, **evaluate_policy(context, context.model, run.seed)}]}
-        else:
-            result = _train(context, run, results_dir)
-        summary = {
-            "key": config.run_key(run),
-            "run": {"method": run.method, "setting": run.setting, "seed": run.seed, "trainer": run.trainer,
-                    "options": run.options, "eval_at": run.eval_at},
-            "study": config.shared(),
-            **result,
-            "wall_seconds": time.perf_counter() - start,
-            "threads": torch.get_num_threads(),
-            "git_commit": _git_commit(),
-            "command": command,
-        }  # fmt: skip
-        path = summary_path(results_dir, run)
-        _write_atomic(path, summary)
-        summaries[run.label] = summary
-        if commit_results:
-            _commit_file(path, f"study {config.name}: {run.label} ({summary['wall_seconds']:.0f} s)")
+        lock = claim_run(results_dir, run.label)
+        if lock is None:
+            continue
+        try:
+            existing = _read_summary(summary_path(results_dir, run))  # another worker may have finished it
+            if existing is not None and existing.get("key") == config.run_key(run):
+                summaries[run.label] = existing
+                continue
+            context = context or StudyContext(config)
+            summaries[run.label] = _run_one(config, context, run, results_dir, command, commit_results)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(lock)
         if progress is not None:
-            progress(len(summaries), len(runs), run.label, summary["wall_seconds"])
-    from .rare import rare_stage
+            progress(len(summaries), len(runs), run.label, summaries[run.label]["wall_seconds"])
+    if rare:
+        from .rare import rare_stage
 
-    def write(path: str, data: dict) -> None:
-        _write_atomic(path, data)
-        if commit_results:
-            _commit_file(path, f"study {config.name}: rare tail of {os.path.basename(path)[:-5]}")
+        def write(path: str, data: dict) -> None:
+            _write_atomic(path, data)
+            if commit_results:
+                _commit_file(path, f"study {config.name}: rare tail of {os.path.basename(path)[:-5]}")
 
-    rare_stage(config, results_dir, lambda: context or StudyContext(config), write)
-    return [summaries[r.label] for r in runs]
+        rare_stage(config, results_dir, lambda: context or StudyContext(config), write)
+    return [summaries[r.label] for r in runs if r.label in summaries]
+
+
+def _run_one(config: StudyConfig, context: StudyContext, run: RunSpec, results_dir, command, commit_results) -> dict:
+    """Train (or, for ``initial``, only evaluate) one run and write its summary."""
+    start = time.perf_counter()
+    torch.manual_seed(run.seed)
+    if run.method == "initial":
+        result = {"evals": [{"updates": 0, **evaluate_policy(context, context.model, run.seed)}]}
+    else:
+        result = _train(context, run, results_dir)
+    summary = {
+        "key": config.run_key(run),
+        "run": {"method": run.method, "setting": run.setting, "seed": run.seed, "trainer": run.trainer,
+                "options": run.options, "eval_at": run.eval_at},
+        "study": config.shared(),
+        **result,
+        "wall_seconds": time.perf_counter() - start,
+        "threads": torch.get_num_threads(),
+        "git_commit": _git_commit(),
+        "command": command,
+    }  # fmt: skip
+    path = summary_path(results_dir, run)
+    _write_atomic(path, summary)
+    if commit_results:
+        _commit_file(path, f"study {config.name}: {run.label} ({summary['wall_seconds']:.0f} s)")
+    return summary

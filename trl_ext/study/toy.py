@@ -41,7 +41,15 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
-from .runner import _COMMON_OPTIONS, _commit_file, _git_commit, _read_summary, _value_model, _write_atomic
+from .runner import (
+    _COMMON_OPTIONS,
+    _commit_file,
+    _git_commit,
+    _read_summary,
+    _value_model,
+    _write_atomic,
+    claim_run,
+)
 
 __all__ = ["ToyConfig", "ToyContext", "ToyRun", "evaluate_toy", "repulse_options", "run_toy_queue", "toy_runs"]
 
@@ -422,23 +430,7 @@ def summary_path(results_dir: str, run: ToyRun) -> str:
 
 def _claim(results_dir: str, run: ToyRun) -> str | None:
     """A lock file for ``run`` (its holder's pid inside), or ``None`` when a live worker holds it."""
-    path = os.path.join(results_dir, "locks", f"{run.label}.lock")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            try:
-                pid = int(open(path).read().strip() or 0)
-                os.kill(pid, 0)
-                return None  # a live worker has it
-            except (ValueError, ProcessLookupError, PermissionError, OSError):
-                os.remove(path)  # a dead worker's lock
-                continue
-        with os.fdopen(fd, "w") as f:
-            f.write(str(os.getpid()))
-        return path
-    return None
+    return claim_run(results_dir, run.label)
 
 
 def run_toy_queue(
