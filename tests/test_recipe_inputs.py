@@ -95,7 +95,7 @@ def _model_path_options():
 _EXTRA = {
     "eval_heldout": ["--model_name_or_path", "gpt2", "--lexical_words", "bad", "--prompts_file", "prompts.txt"],
     "eval_negdata": ["--model_name_or_path", "gpt2", "--data_path", "x.jsonl"],
-    **{name: ["--use_cpu", "true", "--bf16", "false"] for name in ("kd", "prm", "reward", "sft")},
+    **{name: ["--use_cpu", "true", "--bf16", "false"] for name in ("grpo_repulse", "kd", "prm", "reward", "sft")},
 }
 
 

@@ -38,6 +38,8 @@ _LAZY = {
     "HarmlessnessTrainer": "trl_ext.trainers",
     "ProposalConfig": "trl_ext.trainers",
     "ProposalTrainer": "trl_ext.trainers",
+    "RePULSeGRPOConfig": "trl_ext.trainers",
+    "RePULSeGRPOTrainer": "trl_ext.trainers",
     "DPOConfig": "trl_ext.trainers",
     "DPOTrainer": "trl_ext.trainers",
     "KTOConfig": "trl_ext.trainers",

@@ -27,6 +27,7 @@ COMMANDS = {
     "ppo": ("ppo", "PPO (TRL 1.12's PPOTrainer on current TRL)"),
     "repulse": ("harmlessness", "RePULSe: the harmlessness outer loop (a proposal q and the policy p)"),
     "harmlessness": ("harmlessness", "the same as `repulse`"),
+    "grpo-repulse": ("grpo_repulse", "GRPO (TRL's GRPOTrainer) plus RePULSe's proposal and push-down term"),
     "proposal": ("proposal", "twist / proposal learning (CTL, SIXO, DPG, ...)"),
     "dpo": ("dpo", "DPO with trl_ext's extra losses"),
     "kto": ("kto", "KTO with trl_ext's extra losses"),

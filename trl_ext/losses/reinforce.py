@@ -27,7 +27,14 @@ from .base import (
 from .registry import register_loss
 from .weights import effective_sample_size
 
-__all__ = ["BASELINES", "compute_baseline", "neg_reinforce_loss", "neg_training_loss", "reinforce_loss"]
+__all__ = [
+    "BASELINES",
+    "compute_baseline",
+    "neg_reinforce_loss",
+    "neg_training_loss",
+    "push_down_loss",
+    "reinforce_loss",
+]
 
 #: Baseline names accepted by :func:`compute_baseline` (``"expectation"`` is the original name of ``"rloo"``).
 BASELINES: tuple[str, ...] = ("none", "rloo", "expectation", "hardcoded", "other_expectation")
@@ -233,12 +240,6 @@ def neg_training_loss(
     (``mean_P Σ_i w̃_i·masked_mean_t log p_θ(s̃_i)``), ``neg_logprob_mean``, ``neg_weight_ess``, ``neg_weight_max``,
     ``neg_active_frac`` (prompts with non-zero weights), plus the REINFORCE metrics.
     """
-    flat = is_flat_batch(neg_mask, "neg_mask")
-    check_token_shape(neg_logprobs, "neg_logprobs", neg_mask)
-    w = _neg_weights(neg_weights, neg_mask)
-    nm = as_grouped(neg_mask, "neg_mask", 3, flat)
-    w = as_grouped(w, "neg_weights", 2, flat)
-    c = _neg_scale(alpha, alpha_convention, nm.shape[-2])
     rl = reinforce_loss(
         logprobs,
         rewards,
@@ -249,22 +250,70 @@ def neg_training_loss(
         aggregation=aggregation,
         normalizer=normalizer,
     )
+    neg = push_down_loss(
+        neg_logprobs,
+        neg_weights,
+        neg_mask,
+        alpha=alpha,
+        alpha_convention=alpha_convention,
+        aggregation=aggregation,
+        normalizer=_neg_normalizer(aggregation, normalizer, neg_normalizer),
+    )
+    metrics = {"reinforce_loss": rl.loss.detach(), **neg.metrics, **rl.metrics}
+    return LossOutput(rl.loss + neg.loss, metrics)
+
+
+def push_down_loss(
+    neg_logprobs: torch.Tensor,
+    neg_weights: torch.Tensor,
+    neg_mask: torch.Tensor,
+    *,
+    alpha: float,
+    alpha_convention: str = "reference",
+    aggregation: str = "seq-mean-token-mean",
+    normalizer: float | torch.Tensor | None = None,
+) -> LossOutput:
+    """The negative ("push-down") term of RePULSe alone: ``agg_{P,N,T}( c · log p_θ(s̃_{i,t}) · sg(w̃_i) )``.
+
+    This is the second term of :func:`neg_training_loss` (which calls it), usable on its own by a trainer whose
+    main loss is computed elsewhere (e.g. `trl_ext.RePULSeGRPOTrainer`, which adds it to GRPO's loss). ``c = α``
+    with ``alpha_convention="reference"`` (alias ``"code"``) and ``c = α·N'`` with ``"expectation"``, ``N'`` the
+    negatives per prompt. Minimising it lowers the probability of the σ-weighted samples; its gradient estimates
+    ``α ∇ log Z_σ(θ)`` up to the convention's constant.
+
+    Args:
+        neg_logprobs: ``(P, N', T')`` log-probs of the negatives (the proposal's samples) under ``p_θ`` (with
+            gradient); a flat ``(B, T')`` batch is one prompt group.
+        neg_weights: ``(P, N')`` σ-weights (:func:`~trl_ext.losses.weights.sigma_weights`); detached inside.
+        neg_mask: ``(P, N', T')``, 1 on real tokens.
+        alpha: ``α ≥ 0``.
+        alpha_convention: ``"reference"``, ``"code"`` or ``"expectation"``.
+        aggregation, normalizer: as in :func:`~trl_ext.losses.base.aggregate`.
+
+    Metrics: ``neg_loss`` (the term), ``neg_logprob_weighted`` (``mean_P Σ_i w̃_i·masked_mean_t log p_θ(s̃_i)``),
+    ``neg_logprob_mean``, ``neg_weight_ess``, ``neg_weight_max``, ``neg_active_frac`` (prompts with non-zero
+    weights).
+    """
+    flat = is_flat_batch(neg_mask, "neg_mask")
+    check_token_shape(neg_logprobs, "neg_logprobs", neg_mask)
+    w = _neg_weights(neg_weights, neg_mask)
+    nm = as_grouped(neg_mask, "neg_mask", 3, flat)
+    w = as_grouped(w, "neg_weights", 2, flat)
+    c = _neg_scale(alpha, alpha_convention, nm.shape[-2])
     nlp = zero_masked(as_grouped(neg_logprobs, "neg_logprobs", 3, flat), nm != 0)
     per_token = nlp * (c * w).unsqueeze(-1).to(torch.promote_types(nlp.dtype, w.dtype))
-    neg = aggregate(per_token, nm, aggregation, _neg_normalizer(aggregation, normalizer, neg_normalizer))
+    neg = aggregate(per_token, nm, aggregation, normalizer)
     with torch.no_grad():
         tokmean = masked_mean(nlp.detach().to(w.dtype), nm, dim=-1)
         metrics = {
-            "reinforce_loss": rl.loss,
-            "neg_loss": neg,
+            "neg_loss": neg.detach(),
             "neg_logprob_weighted": (w * tokmean).sum(dim=-1).mean(),
             "neg_logprob_mean": tokmean.mean(),
             "neg_weight_ess": effective_sample_size(w).mean(),
             "neg_weight_max": w.max(),
             "neg_active_frac": (w.sum(dim=-1) > 0).to(w.dtype).mean(),
-            **rl.metrics,
         }
-    return LossOutput(rl.loss + neg, metrics)
+    return LossOutput(neg, metrics)
 
 
 @register_loss("neg_reinforce", kind="harmlessness")

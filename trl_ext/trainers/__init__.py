@@ -30,6 +30,8 @@ from .preference.kto import KTOConfig, KTOTrainer
 from .prm import PRMConfig, PRMDataCollator, PRMTrainer, prepare_prm_dataset, tokenize_prm_example
 from .proposal.proposal_config import ProposalConfig
 from .proposal.proposal_trainer import ProposalRewards, ProposalTrainer
+from .repulse_grpo.repulse_grpo_config import RePULSeGRPOConfig
+from .repulse_grpo.repulse_grpo_trainer import RePULSeGRPOTrainer
 
 _aliases.install()
 
@@ -55,6 +57,8 @@ __all__ = [
     "ProposalConfig",
     "ProposalRewards",
     "ProposalTrainer",
+    "RePULSeGRPOConfig",
+    "RePULSeGRPOTrainer",
     "ReferencePolicy",
     "Rollout",
     "RolloutGenerator",
