@@ -348,6 +348,8 @@ def claim_run(results_dir: str, label: str) -> str | None:
                     pid = int(f.read().strip() or 0)
                 os.kill(pid, 0)
                 return None  # a live worker has it
+            except PermissionError:
+                return None  # alive, another user's process
             except (ValueError, OSError):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(path)  # a dead worker's lock
