@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from ..common.checkpoint import PROPOSAL_DIR, list_checkpoints, load_policy_and_value
+from ..common.checkpoint import PROPOSAL_DIR, _move_into, list_checkpoints, load_policy_and_value
 
 __all__ = [
     "OPTIMIZER_NAME",
@@ -49,7 +49,8 @@ def save_proposal_state(
     """Write ``checkpoint_dir/proposal/`` (weights, tokenizer, optimizer, ``extra`` as JSON) atomically; returns it."""
     os.makedirs(checkpoint_dir, exist_ok=True)
     target = os.path.join(checkpoint_dir, PROPOSAL_DIR)
-    stage = tempfile.mkdtemp(prefix=".proposal-stage-", dir=checkpoint_dir)
+    root = tempfile.mkdtemp(prefix=".proposal-stage-", dir=checkpoint_dir)
+    stage = os.path.join(root, PROPOSAL_DIR)
     try:
         proposal.save_pretrained(stage)
         if processing_class is not None:
@@ -58,15 +59,9 @@ def save_proposal_state(
             torch.save(optimizer.state_dict(), os.path.join(stage, OPTIMIZER_NAME))
         with open(os.path.join(stage, STATE_NAME), "w", encoding="utf-8") as f:
             json.dump(dict(extra or {}), f)
-        if os.path.exists(target):  # (saving into the same folder twice: replace the old one whole)
-            old = f"{target}.old-{os.getpid()}"
-            os.replace(target, old)
-            os.replace(stage, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(stage, target)
+        _move_into(root, checkpoint_dir)  # one rename puts the whole folder in place (an old one is replaced whole)
     finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
     return target
 
 
