@@ -88,7 +88,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trl_ext.models.smollm2 import smollm2_path
-    from trl_ext.rollout.generator import SamplingSettings, generate_responses
+    from trl_ext.rollout import SamplingSettings, generate_responses
     from trl_ext.trainers.common.vllm_setup import build_vllm_engine
     from trl_ext.trainers.ppo.ppo_config import PPOConfig
 

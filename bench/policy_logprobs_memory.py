@@ -50,7 +50,7 @@ def _worker(args: argparse.Namespace) -> dict:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from logprobs_memory import _cpu_baseline, _rss_peak_bytes
 
-    from trl_ext.rollout.scoring import forward_response
+    from trl_ext.rollout import forward_response
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)

@@ -148,7 +148,7 @@ def scoring_vs_bare(trainer, paths: dict, spec: dict, rounds: int) -> dict:
     import trl_ext.rollout.generator as generator_module
     from trl_ext.models import get_sequence_scores, get_token_values
     from trl_ext.ops.sequences import position_ids_from_attention_mask
-    from trl_ext.rollout.generator import generate_responses
+    from trl_ext.rollout import generate_responses
 
     batch, _, n = _prompt_batch(paths, spec)
     generator, model = trainer.rollout_generator, trainer.model
@@ -186,7 +186,7 @@ def generation_vs_bare(paths: dict, spec: dict, rounds: int) -> dict:
     from trl_ext.models import load_causal_lm
     from trl_ext.models.kv_cache import cache_kwargs
     from trl_ext.ops.sequences import position_ids_from_attention_mask
-    from trl_ext.rollout.generator import SamplingSettings, generate_responses
+    from trl_ext.rollout import SamplingSettings, generate_responses
 
     job = spec["job"]
     policy = load_causal_lm(paths["policy"]).eval()

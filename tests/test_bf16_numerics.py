@@ -36,8 +36,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 import trl_ext.trainers.common.online as online
 from trl_ext import testing as kit
+from trl_ext.rollout import forward_response
 from trl_ext.rollout.compiled_decode import decode_compile_config
-from trl_ext.rollout.scoring import forward_response
 from trl_ext.trainers import PolicyAndValueModel
 
 EPS = 2.0**-8  # bf16 unit roundoff

@@ -21,7 +21,6 @@ from test_ppo_trainer import make_trainer, ppo_args
 from transformers import HfArgumentParser
 
 from trl_ext import PPOConfig
-from trl_ext.trainers.common.checkpoint import resolve_resume_checkpoint
 from trl_ext.trainers.common.manifest import (
     MANIFEST_NAME,
     CheckpointIntegrityError,
@@ -29,7 +28,7 @@ from trl_ext.trainers.common.manifest import (
     verify_manifest,
     write_manifest,
 )
-from trl_ext.trainers.common.resume_config import ResumeConfigMixin
+from trl_ext.trainers.common.resume import ResumeConfigMixin, resolve_resume_checkpoint
 from trl_ext.trainers.preference.dpo import DPOTrainer
 
 CKPT_LOGGER = "trl_ext.trainers.common"

@@ -4,7 +4,7 @@
 - ``seed_per_row``: each row samples from a counter-based stream keyed by its global index (`rollout/sampling.py`):
   uniform, and a row's tokens do not depend on the rows that share its batch;
 - statistics over every process's rows: PPO's advantage whitening (`masked_whiten(reduce=)`), the PPO / RePULSe
-  metrics (`PPOMetrics.pop(gather_object)`), the proposal's maxima;
+  metrics (`OnlineMetrics.pop(gather_object)`), the proposal's maxima;
 - the value loss's ``clipfrac`` counts clipping, not rounding;
 - FSDP's memory-saving load: weights left on the meta device get storage (`materialize_meta_parameters`);
 - the recipes' engine names (`cli.engine_name`) and their clean end of a multi-process job (`cli.finish_distributed`).
@@ -21,11 +21,11 @@ from torch import nn
 from trl_ext.cli import engine_name, finish_distributed
 from trl_ext.losses.ppo import clipped_value_loss
 from trl_ext.ops import masked_whiten
-from trl_ext.rollout.generator import SamplingSettings, generate_responses
+from trl_ext.rollout import SamplingSettings, generate_responses
 from trl_ext.rollout.sampling import SampleAndRecord, keyed_uniform, row_keys
 from trl_ext.testing import build_causal_lm
 from trl_ext.trainers.common.distributed import materialize_meta_parameters
-from trl_ext.trainers.common.metrics import PPOMetrics
+from trl_ext.trainers.common.metrics import OnlineMetrics
 from trl_ext.trainers.proposal.metrics import ProposalMetrics
 
 
@@ -107,7 +107,7 @@ def test_whitening_over_processes_equals_whitening_of_all_rows():
 
 
 def test_ppo_metrics_average_every_process_and_take_the_largest_diff():
-    metrics = PPOMetrics()  # process 0's share; process 1's is given by the fake gather_object
+    metrics = OnlineMetrics()  # process 0's share; process 1's is given by the fake gather_object
     for key, value in (("loss/policy_avg", 1.0), ("objective/logprob_diff_first_step", 0.1), ("val/ratio", 1.1)):
         metrics.add(key, value)
     other = ({"loss/policy_avg": 3.0, "objective/logprob_diff_first_step": 0.4, "val/ratio": 1.4}, [1.4])

@@ -28,9 +28,9 @@ from torch import nn
 from trl_ext import HarmlessnessConfig, PPOConfig, ProposalConfig
 from trl_ext.models.fsdp import call_as_root_forward, is_fsdp_root, is_fsdp_sharded
 from trl_ext.models.reward import _decoder_parts, get_sequence_scores, get_token_scores
+from trl_ext.rollout import forward_response
 from trl_ext.rollout.reference import ReferencePolicy
 from trl_ext.rollout.reward import RolloutReward
-from trl_ext.rollout.scoring import forward_response
 from trl_ext.rollout.shared_prefix import prefill_prompts, shared_prompt_logprobs, shared_prompt_scores
 from trl_ext.testing import build_causal_lm, build_sequence_classifier
 from trl_ext.trainers.common import frozen
@@ -251,7 +251,7 @@ def test_fsdp2_sharded_reward_model_scores_as_unsharded(one_rank_group, tiny_tok
 
 
 def test_fsdp2_sharded_reference_scores_and_generates_as_unsharded(one_rank_group, tiny_tokenizer):
-    from trl_ext.rollout.generator import SamplingSettings, generate_responses
+    from trl_ext.rollout import SamplingSettings, generate_responses
     from trl_ext.rollout.sampling import row_keys
 
     reference = build_causal_lm("gpt_neox", tokenizer=tiny_tokenizer).eval()

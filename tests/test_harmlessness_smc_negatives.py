@@ -19,7 +19,7 @@ from trl_ext import HarmlessnessConfig
 from trl_ext import testing as kit
 from trl_ext.losses.weights import sigma_weights
 from trl_ext.rewards import LexicalReward
-from trl_ext.rollout.generator import RolloutReward
+from trl_ext.rollout import RolloutReward
 from trl_ext.sampling import SMCConfig, TokenSetPotential, proposal_twist, twisted_smc
 from trl_ext.trainers.harmlessness.smc_negatives import smc_negatives
 

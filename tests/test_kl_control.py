@@ -1,10 +1,10 @@
-"""Tests of `trl_ext.trainers.common.kl_control`: the fixed and the adaptive (Ziegler et al. 2019) KL controllers."""
+"""Tests of `trl_ext.ops.kl_control`: the fixed and the adaptive (Ziegler et al. 2019) KL controllers."""
 
 from __future__ import annotations
 
 import pytest
 
-from trl_ext.trainers.common.kl_control import AdaptiveKLController, FixedKLController
+from trl_ext.ops.kl_control import AdaptiveKLController, FixedKLController
 
 
 def test_adaptive_controller_follows_the_proportional_rule_on_a_scripted_kl_sequence():
@@ -43,7 +43,7 @@ def test_bad_targets_and_horizons_fail_clearly(target, horizon):
 
 
 def test_adaptive_controller_refuses_a_horizon_below_the_batch():
-    from trl_ext.trainers.common.kl_control import AdaptiveKLController
+    from trl_ext.ops.kl_control import AdaptiveKLController
 
     controller = AdaptiveKLController(0.1, target=1.0, horizon=16)
     controller.update(2.0, 16)  # at most +20%

@@ -19,10 +19,11 @@ DATA = Path(__file__).resolve().parent / "data" / "pre_layout"
 
 # Lower numbers may be imported by higher ones, never the other way; equal numbers may not import each other.
 LAYERS = {
-    "trl_ext._notices": 0, "trl_ext.utils": 0, "trl_ext.ops": 1, "trl_ext.losses": 2, "trl_ext.models": 3,
-    "trl_ext.rewards": 4, "trl_ext.data": 4, "trl_ext.rollout": 5, "trl_ext.sampling": 6, "trl_ext.trainers.common": 6,
-    "trl_ext.trainers.ppo": 7, "trl_ext.trainers.proposal": 7, "trl_ext.trainers.preference": 7,
-    "trl_ext.trainers.kd": 7, "trl_ext.trainers.prm": 7, "trl_ext.trainers.harmlessness": 8, "trl_ext.trainers": 9,
+    "trl_ext._notices": 0, "trl_ext._deprecation": 0, "trl_ext.utils": 0, "trl_ext.ops": 1, "trl_ext.losses": 2,
+    "trl_ext.models": 3, "trl_ext.rewards": 4, "trl_ext.data": 4, "trl_ext.rollout": 5, "trl_ext.sampling": 6,
+    "trl_ext.trainers.common": 6, "trl_ext.trainers.ppo": 7, "trl_ext.trainers.proposal": 7,
+    "trl_ext.trainers.preference": 7, "trl_ext.trainers.kd": 7, "trl_ext.trainers.prm": 7,
+    "trl_ext.trainers.harmlessness": 8, "trl_ext.trainers": 9,
     "trl_ext.eval": 10, "trl_ext.inference": 10, "trl_ext.plan": 10, "trl_ext.serving": 10, "trl_ext.testing": 10,
     "trl_ext.cli": 11, "trl_ext.study": 11, "trl_ext": 12,
 }  # fmt: skip
@@ -76,6 +77,64 @@ def test_layers_only_import_downwards():
     assert not upward, "imports that go up or sideways:\n" + "\n".join(sorted(set(upward)))
 
 
+def _import_graph() -> dict[str, set[str]]:
+    return {_module_name(p): _imports(p) - {_module_name(p)} for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle_and_only_cycles():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_no_module_imports_itself_back():
+    """No import cycle between modules, counting imports inside functions and a package's ``__init__``: a lazy import
+    that dodges a cycle at import time is still a cycle for a reader."""
+    cycles = _cycles(_import_graph())
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
 def test_the_rollout_layer_sits_below_trainers_eval_and_inference():
     for path in (PACKAGE / "rollout").rglob("*.py"):
         bad = [t for t in _imports(path) if t.startswith(("trl_ext.trainers", "trl_ext.eval", "trl_ext.inference"))]
@@ -91,6 +150,40 @@ def test_old_module_paths_import_the_new_modules(old, new):
     with pytest.warns(DeprecationWarning, match=rf"{old} moved to {new}"):
         module = importlib.import_module(old)
     assert module is importlib.import_module(new)
+
+
+@pytest.mark.parametrize(
+    ("old", "name", "new"),
+    [
+        ("trl_ext.rollout.generator", "forward_response", "trl_ext.rollout.scoring"),
+        ("trl_ext.rollout.generator", "PolicyOutput", "trl_ext.rollout.scoring"),
+        ("trl_ext.rollout.generator", "causal_lm_outputs", "trl_ext.rollout.scoring"),
+        ("trl_ext.rollout.generator", "supports_logits_to_keep", "trl_ext.rollout.probing"),
+        ("trl_ext.rollout.generator", "ReferencePolicy", "trl_ext.rollout.reference"),
+        ("trl_ext.rollout.generator", "RolloutReward", "trl_ext.rollout.reward"),
+        ("trl_ext.rollout.scoring", "supports_logits_to_keep", "trl_ext.rollout.probing"),
+        ("trl_ext.rollout.shared_prefix", "distinct_prompts", "trl_ext.ops.sequences"),
+        ("trl_ext.losses.reinforce", "compute_baseline", "trl_ext.ops.advantages"),
+        ("trl_ext.losses.reinforce", "BASELINES", "trl_ext.ops.advantages"),
+        ("trl_ext.trainers.common.checkpoint", "save_policy_and_value", "trl_ext.trainers.ppo.checkpoint"),
+        ("trl_ext.trainers.common.checkpoint", "VALUE_MODEL_DIR", "trl_ext.trainers.ppo.checkpoint"),
+        ("trl_ext.trainers.common.checkpoint", "load_policy_and_proposal", "trl_ext.trainers.harmlessness.checkpoint"),
+        ("trl_ext.trainers.common.checkpoint", "PROPOSAL_DIR", "trl_ext.trainers.harmlessness.checkpoint"),
+        ("trl_ext.trainers.common.checkpoint", "resolve_resume_checkpoint", "trl_ext.trainers.common.resume"),
+        ("trl_ext.trainers.common.checkpoint", "list_checkpoints", "trl_ext.trainers.common.resume"),
+        ("trl_ext.trainers.common.reward_setup", "log_reward_components", "trl_ext.trainers.common.metrics"),
+        ("trl_ext.trainers.common.metrics", "PPOMetrics", "trl_ext.trainers.common.metrics:OnlineMetrics"),
+    ],
+)
+def test_names_that_moved_out_of_a_module_still_import_from_it(old, name, new):
+    new, _, new_name = new.partition(":")
+    new_name = new_name or name
+    module = importlib.import_module(old)
+    with pytest.warns(DeprecationWarning, match=rf"{old}.{name} moved to {new}.{new_name}"):
+        value = getattr(module, name)
+    assert value is getattr(importlib.import_module(new), new_name)
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        module.no_such_name  # noqa: B018
 
 
 def test_from_old_path_import_names():

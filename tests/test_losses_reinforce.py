@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from trl_ext.losses import get_loss_spec
-from trl_ext.losses.reinforce import compute_baseline, neg_reinforce_loss, neg_training_loss, reinforce_loss
+from trl_ext.losses.reinforce import neg_reinforce_loss, neg_training_loss, reinforce_loss
+from trl_ext.ops.advantages import compute_baseline
 
 MODES = ("seq-mean-token-mean", "seq-mean-token-sum", "token-mean")
 

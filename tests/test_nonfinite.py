@@ -32,8 +32,8 @@ from transformers import TrainerCallback
 from trl_ext import HarmlessnessConfig, PPOConfig, PPOTrainer, ProposalTrainer
 from trl_ext import testing as kit
 from trl_ext.rewards import map_reward
+from trl_ext.rollout import Rollout
 from trl_ext.rollout.finite import drop_rows, expand_to_groups, screen_rewards
-from trl_ext.rollout.generator import Rollout
 from trl_ext.trainers.common.finite import check_finite_weights, grads_are_finite
 from trl_ext.trainers.preference import DPOTrainer
 

@@ -94,7 +94,7 @@ def test_repulse_padding_free_trains_to_the_same_weights(tmp_path):
 
 
 def test_a_rollout_without_reference_log_probs_round_trips_through_its_state_dict():
-    from trl_ext.rollout.generator import Rollout
+    from trl_ext.rollout import Rollout
 
     rollout = Rollout(
         prompt_ids=torch.ones(2, 3, dtype=torch.long), prompt_mask=torch.ones(2, 3, dtype=torch.long),

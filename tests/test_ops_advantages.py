@@ -1,4 +1,7 @@
-"""GAE and discounted returns against plain nested-loop references."""
+"""Advantage estimators (`trl_ext.ops.advantages`): GAE and discounted returns against plain nested-loop references,
+the critic-free sequence advantages and the importance-sampling correction against their formulas."""
+
+import math
 
 import pytest
 import torch
@@ -120,3 +123,57 @@ def test_shape_errors():
         gae_advantages(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3))
     with pytest.raises(ValueError, match=r"\(B, T\)"):
         discounted_returns(torch.zeros(3), torch.ones(3))
+
+
+# ------------------------------------------------------------------ critic-free advantages and the vLLM correction
+def test_sequence_advantages_are_each_return_minus_its_prompts_leave_one_out_mean_on_every_token():
+    from trl_ext.ops.advantages import sequence_advantages
+
+    rewards = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 3.0], [2.0, 0.0, 0.0], [0.0, 4.0, 0.0]])
+    score_mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0]])
+    response_mask = score_mask
+    # returns over the score mask: 1, 3 (prompt 0), 2, 4 (prompt 1); rloo with N = 2: the other sample's return
+    got = sequence_advantages(rewards, score_mask, response_mask, 2, "rloo")
+    want = torch.tensor([1.0 - 3.0, 3.0 - 1.0, 2.0 - 4.0, 4.0 - 2.0])[:, None] * response_mask
+    torch.testing.assert_close(got, want)
+    constant = sequence_advantages(rewards, score_mask, response_mask, 2, "hardcoded", 0.5)
+    torch.testing.assert_close(constant, (torch.tensor([1.0, 3.0, 2.0, 4.0]) - 0.5)[:, None] * response_mask)
+
+
+def test_importance_corrected_advantages_weigh_by_the_clipped_ratio_and_report_it():
+    from trl_ext.ops.advantages import importance_corrected_advantages
+
+    advantages = torch.ones(2, 3)
+    train = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.2, 0.2, 0.2]]))
+    engine = torch.log(torch.tensor([[0.25, 0.5, 1.0], [0.2, 0.1, 0.2]]))
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    same, stats = importance_corrected_advantages(advantages, train, None, mask, correct=True)
+    assert same is advantages and stats == {}
+    same, stats = importance_corrected_advantages(advantages, train, engine, mask, correct=False)
+    assert same is advantages and set(stats) == {"logprob_diff"}
+    diffs = torch.tensor([math.log(2), 0.0, math.log(2), 0.0, math.log(2)])
+    assert stats["logprob_diff"] == pytest.approx(float(diffs.mean()), rel=1e-6)
+    got, stats = importance_corrected_advantages(advantages, train, engine, mask, correct=True, clip_max=1.5)
+    ratio = torch.tensor([[2.0, 1.0, 0.5], [1.0, 2.0, 0.0]]).clamp(max=1.5) * mask
+    torch.testing.assert_close(got, ratio)
+    assert stats["is_weight_mean"] == pytest.approx(float(ratio.sum() / mask.sum()), rel=1e-6)
+
+
+def test_the_old_trainer_side_correction_warns_and_gives_the_same_advantages():
+    from types import SimpleNamespace
+
+    from trl_ext.ops.advantages import importance_corrected_advantages
+    from trl_ext.trainers.common.metrics import OnlineMetrics
+    from trl_ext.trainers.common.vllm_setup import importance_corrected_advantages as old
+
+    train = torch.log(torch.tensor([[0.5, 0.4]]))
+    rollout = SimpleNamespace(logprobs=train, engine_logprobs=train - 0.3, response_mask=torch.ones(1, 2))
+    args = SimpleNamespace(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate",
+                           vllm_importance_sampling_clip_max=2.0, vllm_importance_sampling_clip_min=None)  # fmt: skip
+    metrics = OnlineMetrics()
+    with pytest.warns(DeprecationWarning, match="moved to trl_ext.ops.advantages"):
+        got = old(args, rollout, torch.ones(1, 2), metrics)
+    want, _ = importance_corrected_advantages(torch.ones(1, 2), train, train - 0.3, torch.ones(1, 2), correct=True,
+                                              clip_max=2.0)  # fmt: skip
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got, torch.full((1, 2), math.exp(0.3)))

@@ -10,7 +10,7 @@ import torch
 from trl_ext import testing as kit
 from trl_ext.models import AutoModelForCausalLMWithValueHead
 from trl_ext.models.padding_free import check_padding_free
-from trl_ext.rollout.scoring import forward_response
+from trl_ext.rollout import forward_response
 from trl_ext.trainers.ppo.policy_value import PolicyAndValueModel
 from trl_ext.trainers.proposal.twist_step import twist_loss
 

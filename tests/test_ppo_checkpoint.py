@@ -99,7 +99,7 @@ def test_resume_skips_an_incomplete_checkpoint(tmp_path, tiny_gpt_neox_dir, tiny
 
 def test_resolve_resume_checkpoint(tmp_path):
     """The rule every online trainer's `train(resume_from_checkpoint=...)` applies (`checkpoint.py`)."""
-    from trl_ext.trainers.common.checkpoint import resolve_resume_checkpoint
+    from trl_ext.trainers.common.resume import resolve_resume_checkpoint
 
     out = tmp_path / "out"
     with pytest.raises(ValueError, match="No complete checkpoint"):

@@ -3,7 +3,7 @@ schedule, optionally grouped by length."""
 
 import torch
 
-from trl_ext.rollout.generator import Rollout, forward_response
+from trl_ext.rollout import Rollout, forward_response
 from trl_ext.testing import build_causal_lm
 from trl_ext.trainers.ppo.experience import Experience, padded_lengths, ppo_schedule
 

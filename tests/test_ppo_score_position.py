@@ -9,7 +9,7 @@ from datasets import Dataset
 from test_ppo_trainer import make_trainer, ppo_args
 
 from trl_ext.ops import extend_mask_past_last, masked_whiten
-from trl_ext.rollout.generator import Rollout
+from trl_ext.rollout import Rollout
 
 T = 5
 GAMMA, LAM, KL_COEF = 0.9, 0.8, 0.1

@@ -19,7 +19,7 @@ from test_shared_prefix import rows
 
 import trl_ext.rollout.scoring as scoring
 from trl_ext import testing as kit
-from trl_ext.rollout.scoring import forward_response
+from trl_ext.rollout import forward_response, supports_logits_to_keep
 from trl_ext.trainers import PolicyAndValueModel
 
 
@@ -41,7 +41,7 @@ def assert_same_run(tmp_path, policy_dir, reward_dir, backend, atol, **options):
     assert trainer.args.torch_compile and isinstance(wrapped, torch._dynamo.eval_frame.OptimizedModule)
     assert wrapped._orig_mod is trainer.model and scoring._route(wrapped)[0] == "parts"  # scored inside its forward
     shared = not options.get("padding_free")  # packed rows, or each prompt group's prompt run once
-    assert scoring.supports_logits_to_keep(wrapped) and trainer._group_size == (2 if shared else 1)
+    assert supports_logits_to_keep(wrapped) and trainer._group_size == (2 if shared else 1)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # something was compiled
     torch.testing.assert_close(got_losses, losses, atol=atol, rtol=1e-4)
     for name, w in weights.items():
@@ -56,7 +56,7 @@ def test_compiled_policy_and_value_model_scores_as_eager(tiny_tokenizer_pad_eos)
     model = PolicyAndValueModel(policy.train(), kit.build_sequence_classifier("llama", tiny_tokenizer_pad_eos).train())
     compiled = torch.compile(model, backend="eager")
     full_ids, full_mask, T = torch.cat([ids, responses], 1), torch.cat([mask, response_mask], 1), responses.shape[1]
-    assert scoring._route(compiled) == ("parts", model.lm_head_split()) and scoring.supports_logits_to_keep(compiled)
+    assert scoring._route(compiled) == ("parts", model.lm_head_split()) and supports_logits_to_keep(compiled)
     assert scoring._shares_prompt(compiled, full_ids, full_mask, T)
     results = []
     for module in (model, compiled):

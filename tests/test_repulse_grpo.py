@@ -10,9 +10,9 @@ from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_ext import HarmlessnessConfig, HarmlessnessTrainer, RePULSeGRPOConfig, RePULSeGRPOTrainer
-from trl_ext.rollout.generator import forward_response
+from trl_ext.rollout import forward_response
 from trl_ext.testing import build_causal_lm, build_tokenizer, prompt_dataset
-from trl_ext.trainers.common.checkpoint import PROPOSAL_DIR
+from trl_ext.trainers.harmlessness.checkpoint import PROPOSAL_DIR
 from trl_ext.trainers.harmlessness.steps import HarmlessnessRewards, HarmlessnessRollouts
 from trl_ext.trainers.repulse_grpo.proposal_state import OPTIMIZER_NAME, resume_checkpoint
 

@@ -20,8 +20,8 @@ from online_helpers import StopAt, logged
 from test_harmlessness_trainer import PROMPT, toy_args, toy_trainer
 from test_ppo_trainer import make_trainer, ppo_args
 
+from trl_ext.ops.reward_norm import RunningMoments
 from trl_ext.trainers.common import checkpoint as ckpt
-from trl_ext.trainers.common.reward_norm import RunningMoments
 
 
 def batches(seed: int = 0, sizes=(1, 7, 3, 16, 2)) -> list[torch.Tensor]:

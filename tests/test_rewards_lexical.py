@@ -8,7 +8,7 @@ import torch
 from trl_ext import testing as kit
 from trl_ext.models import reward_functions
 from trl_ext.rewards import OFFENSIVE_WORDS, LexicalReward, word_token_ids
-from trl_ext.rollout.generator import RolloutReward
+from trl_ext.rollout import RolloutReward
 
 # The rude words of the kit that its tiny tokenizer holds as single tokens (with a leading space).
 SINGLE_TOKEN_WORDS = ("jerk", "fool", "idiot", "bully", "liar", "clown", "loser")

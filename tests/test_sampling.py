@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from trl_ext.rollout.generator import SamplingSettings, forward_response, generate_responses
+from trl_ext.rollout import SamplingSettings, forward_response, generate_responses
 from trl_ext.rollout.sampling import SampleAndRecord
 from trl_ext.testing import build_causal_lm
 

@@ -14,7 +14,7 @@ from trl_ext.models import AutoModelForCausalLMWithValueHead
 from trl_ext.models.lm_head import split_lm_head
 from trl_ext.models.lora import adapters_disabled
 from trl_ext.ops import entropy_from_logits, logprobs_from_hidden
-from trl_ext.rollout.scoring import forward_response
+from trl_ext.rollout import forward_response
 from trl_ext.trainers.harmlessness.models import HarmlessnessModels
 from trl_ext.trainers.ppo.policy_value import PolicyAndValueModel
 

@@ -10,9 +10,9 @@ import torch
 from trl_ext import testing as kit
 from trl_ext.models import apply_lora, get_sequence_scores
 from trl_ext.models.modulated import ModulatedCausalLM
+from trl_ext.ops.sequences import distinct_prompts
 from trl_ext.rollout import sampling
 from trl_ext.rollout.shared_prefix import (
-    distinct_prompts,
     prefill_prompts,
     shared_prompt_logprobs,
     shared_prompt_scores,

@@ -18,7 +18,7 @@ import torch
 from trl_ext import testing as kit
 from trl_ext.losses import get_loss
 from trl_ext.models import ModulatedCausalLM
-from trl_ext.rollout.generator import forward_response
+from trl_ext.rollout import forward_response
 from trl_ext.trainers.proposal.twist_step import (
     TwistLossOutput,
     twist_loss,

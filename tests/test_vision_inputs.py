@@ -14,7 +14,7 @@ from trl_ext import testing as kit
 from trl_ext.models import AutoModelForCausalLMWithValueHead
 from trl_ext.models.lora import apply_lora, find_lora_target_modules
 from trl_ext.ops.sequences import position_ids_from_attention_mask
-from trl_ext.rollout.generator import Rollout, SamplingSettings, forward_response, generate_responses, rollout_logprobs
+from trl_ext.rollout import Rollout, SamplingSettings, forward_response, generate_responses, rollout_logprobs
 from trl_ext.rollout.vision import (
     VisionInputs,
     VisionPromptCollator,

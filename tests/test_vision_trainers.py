@@ -16,7 +16,7 @@ from trl_ext import HarmlessnessConfig, HarmlessnessTrainer, PPOConfig, PPOTrain
 from trl_ext import testing as kit
 from trl_ext.models import AutoModelForCausalLMWithValueHead
 from trl_ext.models.lora import build_lora_config
-from trl_ext.rollout.generator import forward_response
+from trl_ext.rollout import forward_response
 from trl_ext.rollout.vision import freeze_vision_tower
 
 ARCHS = kit.VISION_ARCHITECTURES

@@ -20,7 +20,7 @@ from trl_ext import HarmlessnessConfig, PPOConfig, ProposalConfig, ProposalTrain
 from trl_ext import testing as kit
 from trl_ext.models import AutoModelForCausalLMWithValueHead, ModulatedCausalLM
 from trl_ext.ops import vllm_importance_weights
-from trl_ext.rollout.generator import SamplingSettings, generate_responses
+from trl_ext.rollout import SamplingSettings, generate_responses
 from trl_ext.rollout.vllm import VLLMRolloutEngine, iter_vllm_weights, vllm_sampling_params
 from trl_ext.trainers.common import vllm_setup
 from trl_ext.trainers.common.vllm_config import VLLMConfigMixin

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from trl_ext import HarmlessnessConfig, HarmlessnessTrainer, PPOConfig, PPOTrainer, ProposalConfig, ProposalTrainer
 from trl_ext.rewards import LexicalReward
-from trl_ext.rollout.generator import SamplingSettings, forward_response, generate_responses
+from trl_ext.rollout import SamplingSettings, forward_response, generate_responses
 from trl_ext.trainers.common.vllm_setup import build_vllm_engine
 
 pytestmark = pytest.mark.vllm

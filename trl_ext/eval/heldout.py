@@ -44,8 +44,8 @@ from tqdm.auto import tqdm
 from ..models.reward_functions import decode_token_ids
 from ..ops.kl import kl_estimate
 from ..ops.stats import masked_sum
+from ..rollout import RolloutReward, SamplingSettings, forward_response, generate_responses
 from ..rollout.data import PromptCollator, check_pad_token, prepare_prompt_dataset
-from ..rollout.generator import RolloutReward, SamplingSettings, forward_response, generate_responses
 from ..utils import eval_mode
 from .metrics import DEFAULT_CVAR_ALPHAS, DEFAULT_THRESHOLDS, frontier_metrics
 from .report import write_json_report

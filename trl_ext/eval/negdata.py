@@ -36,7 +36,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..ops.logprobs import logprobs_from_logits
-from ..rollout.generator import causal_lm_outputs
+from ..rollout import causal_lm_outputs
 from ..rollout.negdata import read_negative_data
 from ..utils import eval_mode
 from .metrics import group_logprob_summary

@@ -72,7 +72,7 @@ def sampling_settings(
     top_p: float = 1.0,
 ):
     """The trainers' :class:`~trl_ext.rollout.generator.SamplingSettings`; ``temperature == 0`` means greedy."""
-    from ..rollout.generator import SamplingSettings
+    from ..rollout import SamplingSettings
 
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}.")
@@ -95,8 +95,8 @@ def generate_texts(
 ) -> list[str]:
     """Sample one response per prompt (token-id lists) with HF ``generate``; return the decoded responses (special
     tokens, such as the stop token, removed)."""
+    from ..rollout import generate_responses
     from ..rollout.data import PromptCollator
-    from ..rollout.generator import generate_responses
 
     if tokenizer.pad_token_id is None:
         raise ValueError("The tokenizer has no pad token; set `tokenizer.pad_token = tokenizer.eos_token`.")

@@ -15,6 +15,9 @@ the options it always passes. :func:`register_loss` checks the signature against
 cannot take an option (say a policy loss without ``normalizer``, which would silently lose its gradient-accumulation
 scaling) is an error at registration, not a silently dropped argument. Trainers call ``spec.call(...)`` directly.
 A trainer option such as ``actor_loss_type`` or ``loss_type`` accepts any registered name of the right kind.
+
+The built-in losses register themselves when `trl_ext.losses` is imported, which Python always does before it
+imports this module, so the registry never imports its package back.
 """
 
 from __future__ import annotations
@@ -175,7 +178,6 @@ def register_loss(name: str, kind: str, *, aliases: tuple[str, ...] = (), overwr
 
 def get_loss_spec(name: str, kind: str | None = None) -> LossSpec:
     """Return the :class:`LossSpec` of ``name``; with ``kind``, also check that the loss is of that kind."""
-    _ensure_builtin_losses()
     if name not in _REGISTRY:
         names = available_losses(kind)
         raise KeyError(f"No loss named {name!r}. Registered{f' {kind}' if kind else ''} losses: {', '.join(names)}.")
@@ -195,10 +197,4 @@ def get_loss(name: str, kind: str | None = None) -> Callable:
 
 def available_losses(kind: str | None = None) -> list[str]:
     """Sorted names (aliases included) of the registered losses, optionally only those of one ``kind``."""
-    _ensure_builtin_losses()
     return sorted(k for k, spec in _REGISTRY.items() if kind is None or spec.kind == kind)
-
-
-def _ensure_builtin_losses() -> None:
-    # Importing the package registers the built-in losses; done lazily so `registry` has no import cycle.
-    from .. import losses  # noqa: F401

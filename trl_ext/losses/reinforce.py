@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .._deprecation import moved_names
+from ..ops.advantages import compute_baseline as _compute_baseline
 from ..ops.stats import masked_mean
 from .base import (
     LossOutput,
@@ -28,69 +30,13 @@ from .registry import register_loss
 from .weights import effective_sample_size
 
 __all__ = [
-    "BASELINES",
-    "compute_baseline",
     "neg_reinforce_loss",
     "neg_training_loss",
     "push_down_loss",
     "reinforce_loss",
 ]
 
-#: Baseline names accepted by :func:`compute_baseline` (``"expectation"`` is the original name of ``"rloo"``).
-BASELINES: tuple[str, ...] = ("none", "rloo", "expectation", "hardcoded", "other_expectation")
 ALPHA_CONVENTIONS: tuple[str, ...] = ("reference", "code", "expectation")
-
-
-def compute_baseline(
-    rewards: torch.Tensor,
-    baseline: str | None,
-    *,
-    baseline_value: float | torch.Tensor = 0.0,
-    other_rewards: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Per-sample baseline ``b_i`` for REINFORCE, computed per prompt.
-
-    * ``"none"`` (or ``None``): ``b_i = 0``.
-    * ``"rloo"`` (alias ``"expectation"``, the original name): leave-one-out mean over the prompt's other samples,
-      ``b_i = (Σ_j R_j − R_i)/(N − 1)``; needs N ≥ 2.
-    * ``"hardcoded"``: the constant ``baseline_value``.
-    * ``"other_expectation"``: the per-prompt mean of ``other_rewards`` ``(P, M)`` (e.g. the returns of another set
-      of samples of the same prompts), broadcast over the N samples.
-
-    Args:
-        rewards: ``(P, N)`` sequence returns (``(B,)`` = one prompt group).
-
-    Returns:
-        ``(P, N)`` (or ``(B,)``) detached baseline, in the rewards' floating dtype (at least fp32).
-    """
-    name = "none" if baseline is None else baseline
-    if name not in BASELINES:
-        raise ValueError(f"Unknown baseline {baseline!r}; choose one of {', '.join(BASELINES)}.")
-    if rewards.dim() not in (1, 2):
-        raise ValueError(f"`rewards` must be (P, N) or (B,); got shape {tuple(rewards.shape)}.")
-    flat = rewards.dim() == 1
-    r = rewards.detach().to(torch.promote_types(rewards.dtype, torch.float32))
-    r = r.unsqueeze(0) if flat else r
-    n = r.shape[-1]
-    if name == "none":
-        b = torch.zeros_like(r)
-    elif name in ("rloo", "expectation"):
-        if n < 2:
-            raise ValueError(f"The {name!r} (leave-one-out) baseline needs at least 2 samples per prompt; got N={n}.")
-        b = (r.sum(dim=-1, keepdim=True) - r) / (n - 1)
-    elif name == "hardcoded":
-        b = torch.zeros_like(r) + torch.as_tensor(baseline_value, dtype=r.dtype, device=r.device).detach()
-    else:  # other_expectation
-        if other_rewards is None:
-            raise ValueError("The 'other_expectation' baseline needs `other_rewards` of shape (P, M).")
-        other = other_rewards.detach().to(r.dtype)
-        other = other.unsqueeze(0) if other.dim() == 1 else other
-        if other.dim() != 2 or other.shape[0] != r.shape[0]:
-            raise ValueError(
-                f"`other_rewards` has shape {tuple(other_rewards.shape)}; expected (P={r.shape[0]}, M) per prompt."
-            )
-        b = other.mean(dim=-1, keepdim=True).expand_as(r).clone()
-    return b.reshape(rewards.shape)
 
 
 def _reinforce_terms(
@@ -115,7 +61,7 @@ def _reinforce_terms(
     r = as_grouped(rewards, "rewards", 2, flat).detach()
     if other_rewards is not None and flat and other_rewards.dim() == 1:
         other_rewards = other_rewards.unsqueeze(0)
-    b = compute_baseline(r, baseline, baseline_value=baseline_value, other_rewards=other_rewards)
+    b = _compute_baseline(r, baseline, baseline_value=baseline_value, other_rewards=other_rewards)
     adv = r.to(b.dtype) - b
     coef = adv if seq_weights is None else adv * seq_weights
     lp = zero_masked(lp, m != 0)
@@ -138,13 +84,14 @@ def reinforce_loss(
     """REINFORCE with a per-prompt baseline: ``ℓ_{i,t} = −log p_θ(s_{i,t}) · sg(R_i − b_i)``.
 
     With the default aggregation, ``L = mean_{P,N}[ masked_mean_t(−log p_θ(s_{i,t})) · (R_i − b_i) ]``, the original
-    REINFORCELoss (the length-normalised score function). ``b`` comes from :func:`compute_baseline`.
+    REINFORCELoss (the length-normalised score function). ``b`` comes from
+    :func:`~trl_ext.ops.advantages.compute_baseline`.
 
     Args:
         logprobs: ``(P, N, T)`` log-probs of the sampled tokens under ``p_θ`` (with gradient).
         rewards: ``(P, N)`` sequence returns, e.g. ``r − λ Σ_t k1_t``; detached inside.
         mask: ``(P, N, T)``, 1 on real tokens. Flat ``(B, T)``/``(B,)`` inputs form one prompt group.
-        baseline, baseline_value, other_rewards: see :func:`compute_baseline`.
+        baseline, baseline_value, other_rewards: see :func:`~trl_ext.ops.advantages.compute_baseline`.
         aggregation, normalizer: see :func:`~trl_ext.losses.base.aggregate`.
 
     Stop-gradients: rewards and baseline (the gradient reaches ``logprobs`` only).
@@ -359,7 +306,8 @@ def neg_reinforce_loss(
         neg_rewards: ``(P, N')`` q-samples' returns (reward units); detached inside.
         neg_weights: ``(P, N')`` σ-weights; detached inside.
         neg_mask: ``(P, N', T')``.
-        neg_baseline, neg_baseline_value, neg_other_rewards: the q-term's baseline (see :func:`compute_baseline`).
+        neg_baseline, neg_baseline_value, neg_other_rewards: the q-term's baseline (see
+            :func:`~trl_ext.ops.advantages.compute_baseline`).
         aggregation, normalizer, neg_normalizer: as in :func:`neg_training_loss`.
 
     Stop-gradients: rewards, ``neg_rewards``, both baselines and ``neg_weights``.
@@ -403,3 +351,9 @@ def neg_reinforce_loss(
         **rl.metrics,
     }
     return LossOutput(rl.loss + neg, metrics)
+
+
+# The baselines are advantage estimators: they moved to trl_ext.ops.advantages.
+__getattr__ = moved_names(
+    __name__, {"BASELINES": "trl_ext.ops.advantages", "compute_baseline": "trl_ext.ops.advantages"}
+)

@@ -1,6 +1,13 @@
 """Pure tensor operations shared by losses and trainers (masked statistics, KL estimators, log-probs, GAE, ...)."""
 
-from .advantages import discounted_returns, gae_advantages
+from .advantages import (
+    BASELINES,
+    compute_baseline,
+    discounted_returns,
+    gae_advantages,
+    importance_corrected_advantages,
+    sequence_advantages,
+)
 from .importance import IS_MODES, vllm_importance_weights
 from .kl import KL_ESTIMATORS, full_kl, kl_estimate, kl_k1, kl_k2, kl_k3
 from .logprobs import (
@@ -61,8 +68,12 @@ __all__ = [
     "assemble_token_rewards",
     "clamp_scores",
     # advantages
+    "BASELINES",
+    "compute_baseline",
     "discounted_returns",
     "gae_advantages",
+    "importance_corrected_advantages",
+    "sequence_advantages",
     # sequences
     "TruncatedResponses",
     "first_true_index",

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 __all__ = [
+    "distinct_prompts",
     "extend_mask_past_last",
     "group_rows",
     "last_token_index",
@@ -169,3 +170,14 @@ def extend_mask_past_last(mask: torch.Tensor) -> torch.Tensor:
     positions = torch.arange(mask.shape[-1], device=mask.device)
     after = (positions == (last + 1).unsqueeze(-1)) & (last >= 0).unsqueeze(-1)
     return (keep | after).to(mask.dtype)
+
+
+def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+    """``(ids, mask, inverse)`` of the distinct rows of the ``(B, P)`` prompts (``ids[inverse] == prompt_ids``), or
+    ``None`` when every row is distinct (nothing to share). Rows count as equal when their ids *and* masks are."""
+    rows = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)
+    unique, inverse = torch.unique(rows, dim=0, return_inverse=True)
+    if unique.shape[0] == rows.shape[0]:
+        return None
+    P = prompt_ids.shape[1]
+    return unique[:, :P], unique[:, P:].to(prompt_mask.dtype), inverse

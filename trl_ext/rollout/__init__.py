@@ -3,7 +3,11 @@ trainers (`trl_ext.trainers`), held-out evaluation and attacks (`trl_ext.eval`) 
 (`trl_ext.inference`). It sits below all three and imports none of them.
 
 - `generator`: `RolloutGenerator` (generate → log-probs → reference → reward), `generate_responses`,
-  `forward_response`, `RolloutReward`, `SamplingSettings`;
+  `SamplingSettings`, `Rollout`;
+- `scoring`: `forward_response` (the log-probs, entropies and values of responses, as the losses read them),
+  `causal_lm_outputs`, `PolicyOutput`;
+- `probing`: what a model's forward accepts, through its wrappers (`supports_logits_to_keep`, `prefill_module`); the
+  leaf every other rollout module may import;
 - `sampling`: the inverse-CDF sampler that records the log-probs it sampled from;
 - `shared_prefix`: each distinct prompt run once and its KV cache fanned out to its samples (generation, reference,
   critic and reward passes);
@@ -18,19 +22,24 @@ trainers (`trl_ext.trainers`), held-out evaluation and attacks (`trl_ext.eval`) 
 - `data`: prompt datasets, the left-padding collator and the rollout sampler;
 - `negdata`: reading and writing negative-data JSONL;
 - `vision`: image inputs of vision-language policies.
+
+Import these names from `trl_ext.rollout`; the modules' own names stay importable from them.
 """
 
 from .data import PromptCollator, RolloutSampler, prepare_prompt_dataset
 from .generator import (
-    PolicyOutput,
     Rollout,
     RolloutGenerator,
-    RolloutReward,
     SamplingSettings,
-    forward_response,
+    finish_responses,
     generate_responses,
+    rollout_logprobs,
 )
+from .probing import prefill_module, supports_logits_to_keep
 from .reference import ReferencePolicy
+from .reward import RolloutReward
+from .reward_list import WeightedRewards
+from .scoring import PolicyOutput, causal_lm_outputs, forward_response
 
 __all__ = [
     "PolicyOutput",
@@ -41,7 +50,13 @@ __all__ = [
     "RolloutReward",
     "RolloutSampler",
     "SamplingSettings",
+    "WeightedRewards",
+    "causal_lm_outputs",
+    "finish_responses",
     "forward_response",
     "generate_responses",
+    "prefill_module",
     "prepare_prompt_dataset",
+    "rollout_logprobs",
+    "supports_logits_to_keep",
 ]

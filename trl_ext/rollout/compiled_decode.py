@@ -33,7 +33,7 @@ from torch import nn
 from transformers import CompileConfig
 from transformers.cache_utils import Cache, StaticCache
 
-from .shared_prefix import _prefill_module
+from .probing import prefill_module
 
 __all__ = ["DecodeStaticCache", "decode_compile_config", "static_decode_cache"]
 
@@ -75,7 +75,7 @@ def static_decode_cache(
     (``P + max_new_tokens`` positions, or the longest length this model has needed so far), holding the
     ``prefilled`` dynamic cache's tokens when given and complete; ``None`` when the model builds its own caches
     (modulated policies, prompt-learning PEFT), so that ``generate`` keeps its eager decode."""
-    module = _prefill_module(model)
+    module = prefill_module(model)
     if module is None or not module._supports_default_dynamic_cache():
         if type(model) not in _EAGER:
             _EAGER.add(type(model))

@@ -34,42 +34,41 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from transformers import CompileConfig, GenerationConfig, LogitsProcessorList
 
+from .._deprecation import moved_names
 from ..models.kv_cache import cache_kwargs
 from ..models.lora import is_peft_model
 from ..models.value_head import AutoModelForCausalLMWithValueHead
 from ..ops.logprobs import DEFAULT_CHUNK_SIZE
 from ..ops.sequences import truncate_after_stop_token
 from ..utils import eval_mode
+from . import reward as _reward
 from .columns import repeat_columns, select_columns
 from .compiled_decode import static_decode_cache
 from .finite import DEFAULT_MAX_ABS_REWARD, screen_rewards
 from .fsdp import call_as_root_forward, is_fsdp_sharded
-from .reference import ReferencePolicy
-from .reward import RolloutReward
 from .reward_list import WeightedRewards
 from .sampling import SampleAndRecord
-from .scoring import PolicyOutput, causal_lm_outputs, forward_response, supports_logits_to_keep
+from .scoring import forward_response as _forward_response
 from .shared_prefix import prefill_prompts, shared_prompt_logprobs, shared_prompt_values
 from .vision import VisionInputs, generation_inputs
 
+if TYPE_CHECKING:
+    from .reference import ReferencePolicy
+    from .reward import RolloutReward
+
 __all__ = [
-    "PolicyOutput",
-    "ReferencePolicy",
     "Rollout",
     "RolloutGenerator",
-    "RolloutReward",
     "SamplingSettings",
-    "causal_lm_outputs",
     "finish_responses",
-    "forward_response",
     "generate_responses",
     "rollout_logprobs",
-    "supports_logits_to_keep",
 ]
 
 logger = logging.getLogger(__name__)
@@ -334,7 +333,7 @@ def rollout_logprobs(model: nn.Module, rollout: Rollout, batch_size: int, temper
     ``batch_size`` rows per pass). The caller sets the model's mode and any autocast."""
     parts = []
     for chunk in rollout.split(batch_size):
-        out = forward_response(
+        out = _forward_response(
             model, chunk.input_ids, chunk.attention_mask, chunk.response_length, temperature=temperature,
             vision=chunk.vision,
         )  # fmt: skip
@@ -462,7 +461,7 @@ class RolloutGenerator:
         critic_values = getattr(self._unwrapped(model), "critic_values", None)
         if critic_values is not None:  # below the root module: under FSDP2, run as its forward
             return call_as_root_forward(self._unwrapped(model), critic_values, ids, mask, T, vision=vision)
-        out = forward_response(
+        out = _forward_response(
             model, ids, mask, T, temperature=self.settings.temperature, return_values=True, vision=vision
         )
         return out.values
@@ -530,7 +529,7 @@ class RolloutGenerator:
                             values = self._values(model, ids[rows], mask[rows], T, rows_vision(rows), share)
                             parts["values"].append(values)
                     else:
-                        out = forward_response(
+                        out = _forward_response(
                             model, ids[rows], mask[rows], T, temperature=self.settings.temperature,
                             return_values=self.with_values, chunk_size=self.chunk_size, vision=rows_vision(rows),
                         )  # fmt: skip
@@ -546,13 +545,13 @@ class RolloutGenerator:
                         ) if share_ref else None  # fmt: skip
                         if ref is None:  # a PEFT reference is the policy, below an FSDP2 root: run as its forward
                             ref = call_as_root_forward(
-                                self._unwrapped(model), forward_response, reference, ids[rows], mask[rows], T,
+                                self._unwrapped(model), _forward_response, reference, ids[rows], mask[rows], T,
                                 temperature=self.settings.temperature, chunk_size=self.chunk_size,
                                 vision=rows_vision(rows),
                             ).logprobs  # fmt: skip
                         parts["ref_logprobs"].append(ref)
                 reward_model = getattr(self.reward, "model", None)
-                share_reward = share and isinstance(self.reward, RolloutReward) and reward_model is not None
+                share_reward = share and isinstance(self.reward, _reward.RolloutReward) and reward_model is not None
                 share_reward = {"share_prompts": True} if share_reward and self._full_precision(reward_model) else {}
                 weighted = isinstance(self.reward, WeightedRewards)
                 extra = {"return_components": True} if weighted else {}
@@ -590,3 +589,17 @@ class RolloutGenerator:
         reduce = (lambda count: self.accelerator.reduce(count, reduction="sum")) if many else None
         tokenizer = getattr(self.reward, "tokenizer", None)
         return screen_rewards(rollout, self.nonfinite_rewards, tokenizer, reduce, self.max_abs_reward)
+
+
+# Names this module used to re-export: import them from `trl_ext.rollout` (or their own modules).
+__getattr__ = moved_names(
+    __name__,
+    {
+        "PolicyOutput": "trl_ext.rollout.scoring",
+        "causal_lm_outputs": "trl_ext.rollout.scoring",
+        "forward_response": "trl_ext.rollout.scoring",
+        "supports_logits_to_keep": "trl_ext.rollout.probing",
+        "ReferencePolicy": "trl_ext.rollout.reference",
+        "RolloutReward": "trl_ext.rollout.reward",
+    },
+)

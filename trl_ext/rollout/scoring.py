@@ -20,21 +20,19 @@ Two things keep it lean without changing what is computed:
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from .._deprecation import moved_names
 from ..models.lm_head import LMHeadSplit, split_lm_head
-from ..models.lora import is_peft_model
-from ..models.value_head import AutoModelForCausalLMWithValueHead
 from ..ops.logprobs import DEFAULT_CHUNK_SIZE, logprobs_from_logits
-from ..ops.sequences import position_ids_from_attention_mask
-from .shared_prefix import distinct_prompts
+from ..ops.sequences import distinct_prompts, position_ids_from_attention_mask
+from .probing import supports_logits_to_keep as _supports_logits_to_keep
 from .vision import VisionInputs, add_vision_inputs
 
-__all__ = ["HIDDEN_PATH_MIN_BYTES", "PolicyOutput", "causal_lm_outputs", "forward_response", "supports_logits_to_keep"]
+__all__ = ["HIDDEN_PATH_MIN_BYTES", "PolicyOutput", "causal_lm_outputs", "forward_response"]
 
 #: With gradients into a trained LM head, the hidden-state path recomputes each chunk's logits in the backward pass:
 #: one more LM-head matrix product (about +30% of the head's cost, measured on CPU). :func:`forward_response` then
@@ -53,24 +51,6 @@ class PolicyOutput:
     entropy: torch.Tensor | None = None
 
 
-def supports_logits_to_keep(model: nn.Module) -> bool:
-    """Whether ``model``'s forward accepts ``logits_to_keep`` (looked up through DDP/DeepSpeed, PEFT and value-head
-    wrappers; a wrapper may also declare it with a ``supports_logits_to_keep`` attribute)."""
-    for _ in range(8):
-        declared = getattr(model, "supports_logits_to_keep", None)
-        if isinstance(declared, bool):
-            return declared
-        if isinstance(getattr(model, "module", None), nn.Module):  # DDP, DeepSpeed engine
-            model = model.module
-        elif is_peft_model(model):
-            model = model.get_base_model()
-        elif isinstance(model, AutoModelForCausalLMWithValueHead):
-            model = model.pretrained_model
-        else:
-            break
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
-
-
 def causal_lm_outputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, last: int, vision=None):
     """One forward pass of a causal LM over (possibly left-padded) rows, positions taken from the mask, no KV cache;
     only the ``last`` logits are computed when the model supports ``logits_to_keep`` (callers slice the last ``last``
@@ -82,7 +62,7 @@ def causal_lm_outputs(model: nn.Module, input_ids: torch.Tensor, attention_mask:
         "position_ids": position_ids_from_attention_mask(attention_mask),
         "use_cache": False,
     }
-    if supports_logits_to_keep(model):
+    if _supports_logits_to_keep(model):
         kwargs["logits_to_keep"] = last
     return model(**add_vision_inputs(kwargs, vision))
 
@@ -150,7 +130,7 @@ class _Layout:
 def _scored(model, route, split, layout: _Layout, T, temperature, chunk_size, return_entropy, return_values, vision):
     """``(logprobs, entropy, value)`` per position of ``layout`` (value: per position, or ``None``)."""
     kwargs = dict(layout.kwargs)
-    if layout.keep_all is None and route != "split" and supports_logits_to_keep(model):
+    if layout.keep_all is None and route != "split" and _supports_logits_to_keep(model):
         kwargs["logits_to_keep"] = T + 1
     if route == "parts":
         out = model(
@@ -253,3 +233,6 @@ def forward_response(
         value = layout.response(value.float(), T).to(state.device)
         result.values = torch.where(state, value, torch.zeros_like(value))
     return result
+
+
+__getattr__ = moved_names(__name__, {"supports_logits_to_keep": "trl_ext.rollout.probing"})

@@ -33,16 +33,17 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
+from .._deprecation import moved_names
 from ..models.fsdp import is_fsdp_sharded
 from ..models.kv_cache import cache_kwargs, output_cache, takes_cache
 from ..models.lora import is_peft_model
 from ..models.reward import _decoder_parts, apply_reward_normalization
-from ..models.value_head import AutoModelForCausalLMWithValueHead
 from ..ops.logprobs import DEFAULT_CHUNK_SIZE, logprobs_from_logits
+from ..ops.sequences import distinct_prompts as _distinct_prompts
 from ..ops.sequences import last_token_index, position_ids_from_attention_mask
+from .probing import prefill_module, supports_logits_to_keep
 
 __all__ = [
-    "distinct_prompts",
     "can_share_prompt",
     "hidden_with_shared_prompt",
     "prefill_prompts",
@@ -50,29 +51,6 @@ __all__ = [
     "shared_prompt_scores",
     "shared_prompt_values",
 ]
-
-
-def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
-    """``(ids, mask, inverse)`` of the distinct rows of the ``(B, P)`` prompts (``ids[inverse] == prompt_ids``), or
-    ``None`` when every row is distinct (nothing to share). Rows count as equal when their ids *and* masks are."""
-    rows = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)
-    unique, inverse = torch.unique(rows, dim=0, return_inverse=True)
-    if unique.shape[0] == rows.shape[0]:
-        return None
-    P = prompt_ids.shape[1]
-    return unique[:, :P], unique[:, P:].to(prompt_mask.dtype), inverse
-
-
-def _prefill_module(model: nn.Module) -> nn.Module | None:
-    """The module whose forward ``model.generate`` runs (value-head wrappers delegate to their LM), or ``None`` for a
-    prompt-learning PEFT model (its virtual tokens are added by ``generate`` itself)."""
-    while isinstance(model, AutoModelForCausalLMWithValueHead):
-        model = model.pretrained_model
-    if is_peft_model(model):
-        config = getattr(model, "active_peft_config", None)
-        if config is None or getattr(config, "is_prompt_learning", False):
-            return None
-    return model
 
 
 def _cached_forward(module: nn.Module, ids, mask, position_ids, cache=None, **kwargs):
@@ -94,12 +72,10 @@ def prefill_prompts(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: tor
     a left-padded row. ``model`` is what ``generate`` is called on, in eval mode."""
     if prompt_ids.shape[1] < 2 or is_fsdp_sharded(model):
         return None
-    distinct = distinct_prompts(prompt_ids, prompt_mask)
-    module = _prefill_module(model)
+    distinct = _distinct_prompts(prompt_ids, prompt_mask)
+    module = prefill_module(model)
     if distinct is None or module is None:
         return None
-    from .generator import supports_logits_to_keep  # (generator imports this module)
-
     ids, mask, inverse = distinct
     ids, mask = ids[:, :-1], mask[:, :-1]
     keep = {"logits_to_keep": 1} if supports_logits_to_keep(module) else {}
@@ -115,7 +91,7 @@ def _prompt_then_responses(module: nn.Module, prompt_ids, prompt_mask, response_
 
     Returns ``(prompt_out, response_out, inverse)`` — ``prompt_out`` has one row per distinct prompt, ``inverse``
     maps rows to them — or ``None`` when nothing is shared."""
-    distinct = distinct_prompts(prompt_ids, prompt_mask)
+    distinct = _distinct_prompts(prompt_ids, prompt_mask)
     if distinct is None:
         return None
     ids, mask, inverse = distinct
@@ -171,8 +147,6 @@ def shared_prompt_logprobs(
 
     Token ``t`` is predicted by the logits of the position before it: the last prompt position (from the prompt
     pass, ``logits_to_keep=1`` where the model takes it) for ``t = 0``, response position ``t − 1`` otherwise."""
-    from .generator import supports_logits_to_keep  # (generator imports this module)
-
     if is_fsdp_sharded(model):
         return None
     keep = {"logits_to_keep": 1} if supports_logits_to_keep(model) else {}
@@ -245,3 +219,7 @@ def shared_prompt_scores(
     if scores.shape[-1] != 1:
         raise ValueError(f"A reward model must have a single output; this one has {scores.shape[-1]} (num_labels).")
     return scores[..., 0].float()
+
+
+# Moved: distinct_prompts to trl_ext.ops.sequences, _prefill_module to trl_ext.rollout.probing (as prefill_module).
+__getattr__ = moved_names(__name__, {"distinct_prompts": "trl_ext.ops.sequences"})

@@ -5,8 +5,7 @@ them, in `trl_ext.rollout` (re-exported here). The flat paths of earlier release
 still import, with a DeprecationWarning (`_aliases.py`).
 """
 
-from ..rollout.data import PromptCollator, RolloutSampler, prepare_prompt_dataset
-from ..rollout.generator import (
+from ..rollout import (
     PolicyOutput,
     ReferencePolicy,
     Rollout,
@@ -16,6 +15,7 @@ from ..rollout.generator import (
     forward_response,
     generate_responses,
 )
+from ..rollout.data import PromptCollator, RolloutSampler, prepare_prompt_dataset
 from . import _aliases
 from .harmlessness.harmlessness_config import HarmlessnessConfig
 from .harmlessness.harmlessness_trainer import HarmlessnessTrainer

@@ -46,6 +46,10 @@ MOVED_MODULES: dict[str, str] = {
     "trl_ext.trainers.kto": "trl_ext.trainers.preference.kto",
     "trl_ext.trainers.preference_common": "trl_ext.trainers.preference.common",
     "trl_ext.trainers.preference_data": "trl_ext.trainers.preference.data",
+    # 0.3's layout (issue 37): the algorithm pieces left trainers/common for trl_ext.ops
+    "trl_ext.trainers.common.kl_control": "trl_ext.ops.kl_control",
+    "trl_ext.trainers.common.reward_norm": "trl_ext.ops.reward_norm",
+    "trl_ext.trainers.common.resume_config": "trl_ext.trainers.common.resume",
 }
 
 

@@ -24,8 +24,7 @@ from .common.checkpointing_defaults import ActivationCheckpointingDefault
 from .common.distributed import CpuFsdpMixin
 from .common.finite import FiniteStepsArguments, FiniteStepsMixin
 from .common.model_card import CompleteModelCard
-from .common.resume import VerifiedResumeMixin
-from .common.resume_config import ResumeConfigMixin
+from .common.resume import ResumeConfigMixin, VerifiedResumeMixin
 from .common.run_summary import RunSummaryMixin
 from .common.shared_docs import document_shared_options
 

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ...rollout.generator import causal_lm_outputs
+from ...rollout import causal_lm_outputs
 from .common import (
     AttackPrompt,
     AttackResult,

@@ -34,7 +34,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ...models.reward_functions import decode_token_ids
-from ...rollout.generator import RolloutReward, SamplingSettings, forward_response, generate_responses
+from ...rollout import RolloutReward, SamplingSettings, forward_response, generate_responses
 from ...utils import eval_mode
 from ..report import write_json_report
 from .data import load_advbench_goals, load_behaviors_csv, normalize_behaviors

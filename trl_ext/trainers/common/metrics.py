@@ -1,9 +1,11 @@
-"""PPO's logged metrics (TRL's names) and the sample-completion tables.
+"""The online trainers' logged metrics (PPO's under TRL's names) and the sample-completion tables.
 
-- :func:`rollout_metrics`: one value per rollout (``objective/*``, ``val/num_eos_tokens``);
-- :class:`PPOMetrics`: collects rollout and micro-batch metrics between two logs and hands their averages to
-  `Trainer.log` (``val/ratio_var`` is the variance of the micro-batch ratios, ``loss/*_avg`` the mean minibatch loss,
-  i.e. the sum of its micro-batch losses, so it does not depend on the accumulation split), averaged over processes;
+- :class:`OnlineMetrics` (PPO, RePULSe, the proposal trainer): collects rollout and micro-batch metrics between two
+  logs and hands their averages to `Trainer.log` (``val/ratio_var`` is the variance of the micro-batch ratios,
+  ``loss/*_avg`` the mean minibatch loss, i.e. the sum of its micro-batch losses, so it does not depend on the
+  accumulation split), averaged over processes; :meth:`OnlineMetrics.add_reward_components` adds
+  ``rewards/<name>/mean`` and ``/std`` of each function of a reward list;
+- :func:`rollout_metrics`: PPO's values of one rollout (``objective/*``, ``val/num_eos_tokens``);
 - :func:`print_completions_table` / :func:`log_completions_table`: rich table; wandb / trackio / comet tables.
 """
 
@@ -15,10 +17,18 @@ from collections import defaultdict
 
 import torch
 
+from ..._deprecation import moved_names
 from ...losses import LossOutput
 from ...ops import masked_mean, masked_sum
+from ...rollout.reward_list import reward_component_metrics
 
-__all__ = ["PPOMetrics", "log_completions_table", "print_completions_table", "rollout_metrics"]
+__all__ = [
+    "OnlineMetrics",
+    "log_completions_table",
+    "log_reward_components",
+    "print_completions_table",
+    "rollout_metrics",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +61,7 @@ def rollout_metrics(
     }
 
 
-class PPOMetrics:
+class OnlineMetrics:
     """Metrics collected between two `Trainer` logs."""
 
     def __init__(self):
@@ -129,6 +139,11 @@ class PPOMetrics:
         self.values.clear()
         return logs
 
+    def add_reward_components(self, rollout, gather=None, prefix: str = "rewards/") -> None:
+        """``{prefix}<name>/mean`` and ``/std`` of each reward function of ``rollout`` (over every process's rows,
+        ``gather``); nothing for a single reward."""
+        log_reward_components(self, rollout, gather, prefix)
+
 
 def print_completions_table(rows: list[dict], max_rows: int = 5, title: str | None = None) -> None:
     """Print the first ``max_rows`` rows (dicts with the same keys) as a rich table."""
@@ -176,3 +191,14 @@ def log_completions_table(rows: list[dict], report_to: list[str]) -> None:
             log_table_to_comet_experiment(name="completions.csv", table=pd.DataFrame(data, columns=columns))
         except ImportError:
             logger.warning("report_to includes comet_ml but it is not usable: completions table not logged.")
+
+
+def log_reward_components(metrics, rollout, gather=None, prefix: str = "rewards/") -> None:
+    """Add ``{prefix}<name>/mean`` and ``/std`` of each reward function of ``rollout`` (over every process's rows,
+    ``gather``) to ``metrics`` (anything with ``add(key, value)``); nothing for a single reward."""
+    for key, value in reward_component_metrics(rollout.reward_components, gather, prefix).items():
+        metrics.add(key, value)
+
+
+# PPOMetrics was PPO's; every online trainer uses it now, under its new name.
+__getattr__ = moved_names(__name__, {"PPOMetrics": "trl_ext.trainers.common.metrics:OnlineMetrics"})

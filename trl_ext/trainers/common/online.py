@@ -31,6 +31,9 @@ from trl.trainer import disable_dropout_in_model
 
 from ...models.padding_free import check_padding_free
 from ...models.quantization import keep_4bit_layers_trainable
+from ...ops.kl_control import AdaptiveKLController, build_kl_controller
+from ...ops.reward_norm import RunningMoments
+from ...rollout import ReferencePolicy, RolloutGenerator, RolloutReward, SamplingSettings, generate_responses
 from ...rollout.columns import ColumnCollator, reward_columns
 from ...rollout.compiled_decode import decode_compile_config
 from ...rollout.data import (
@@ -42,7 +45,6 @@ from ...rollout.data import (
     tokenizer_of,
 )
 from ...rollout.fsdp import call_as_root_forward
-from ...rollout.generator import ReferencePolicy, RolloutGenerator, RolloutReward, SamplingSettings, generate_responses
 from ...rollout.reward_list import reward_members
 from ...rollout.sampling import row_keys
 from ...rollout.vision import (
@@ -59,11 +61,9 @@ from .ema import EMA, EMACallback, load_ema, save_ema
 from .finite import FiniteStepsMixin
 from .frozen import FrozenModelsMixin
 from .hub_errors import hub_push_errors
-from .kl_control import AdaptiveKLController, build_kl_controller
 from .metrics import log_completions_table, print_completions_table
 from .model_card import CompleteModelCard, write_text_atomically
 from .resume import VerifiedResumeMixin
-from .reward_norm import RunningMoments
 from .reward_setup import check_reward_arguments, resolve_reward_argument
 from .run_summary import RunSummaryMixin
 from .vllm_setup import build_vllm_engine
@@ -136,9 +136,10 @@ class OnlineTrainerMixin(
         self._processing_class = processing_class  # a processor, for vision-language policies
         self.reward_model = reward_model  # a trainer may replace it with a prepared one; _prepare_datasets reads it
         self.vision_spec = None  # set by _prepare_datasets
-        # The KL coefficient of configs with `kl_target` (fixed or adaptive, `kl_control.py`); None for the others.
-        self.kl_controller = build_kl_controller(args) if hasattr(args, "kl_target") else None
-        # The running score statistics of configs with `normalize_reward=True` (`reward_norm.py`); None otherwise.
+        # The KL coefficient of configs with the KL-control options (fixed or adaptive, `trl_ext.ops.kl_control`);
+        # None for the others.
+        self.kl_controller = build_kl_controller(args)
+        # The running score statistics of configs with `normalize_reward=True` (`trl_ext.ops.reward_norm`), or None.
         self.reward_normalizer = RunningMoments() if getattr(args, "normalize_reward", False) else None
         self.ema: EMA | None = None  # the EMA of the trained weights (``ema_beta``), built when training starts
         check_pad_token(self.tokenizer)
@@ -417,7 +418,7 @@ class OnlineTrainerMixin(
 
     def normalized_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """``(scores − mean) / max(std, 1e-8)`` with the running statistics of ``normalize_reward`` (this rollout's
-        scores included, :class:`~trl_ext.trainers.common.reward_norm.RunningMoments`); ``scores`` unchanged
+        scores included, :class:`~trl_ext.ops.reward_norm.RunningMoments`); ``scores`` unchanged
         without it."""
         if self.reward_normalizer is None:
             return scores

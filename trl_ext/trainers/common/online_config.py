@@ -28,7 +28,7 @@ from ...rollout.finite import DEFAULT_MAX_ABS_REWARD, NONFINITE_REWARD_OPTIONS
 from .checkpointing_defaults import ActivationCheckpointingDefault
 from .finite import FiniteStepsArguments
 from .precision import default_bf16_off_without_gpu
-from .resume_config import ResumeConfigMixin
+from .resume import ResumeConfigMixin
 from .shared_docs import document_shared_options
 
 __all__ = [

@@ -1,10 +1,18 @@
-"""`VerifiedResumeMixin`: every trl_ext trainer's checkpoints verify themselves.
+"""Resuming, in one place: finding the checkpoint to resume from, verifying it, and the options that govern it.
+
+- :class:`ResumeConfigMixin`: the output-folder and resume options every trl_ext config shares (``allow_rng_reset``,
+  ``allow_config_change``, ``overwrite_output_dir``). Put it before TRL's config in the bases (``class
+  KDConfig(ResumeConfigMixin, SFTConfig)``); the recipes get the options through the config dataclass.
+- Discovery: :func:`list_checkpoints`, :func:`last_complete_checkpoint` (complete = holds ``trainer_state.json``,
+  the last file `Trainer` writes) and :func:`resolve_resume_checkpoint` / :func:`verify_checkpoint` (the files
+  against ``trl_ext_manifest.json``, `trl_ext.trainers.common.manifest`).
+- :class:`VerifiedResumeMixin`: every trl_ext trainer's checkpoints verify themselves:
 
 - Saving: `train()` adds a :class:`~trl_ext.trainers.common.manifest.ManifestCallback`, which writes
   ``trl_ext_manifest.json`` (every file's size and SHA-256) into each ``checkpoint-N`` after `Trainer` has written the
   rest.
 - Resuming: before `Trainer.train` loads anything, the main process resolves ``resume_from_checkpoint``
-  (:func:`~trl_ext.trainers.common.checkpoint.resolve_resume_checkpoint`: ``True`` picks the newest checkpoint that
+  (:func:`resolve_resume_checkpoint`: ``True`` picks the newest checkpoint that
   verifies, a path must verify), then checks the RNG states
   (:func:`~trl_ext.trainers.common.manifest.check_rng_states`, ``allow_rng_reset``); the result (or the error) is
   broadcast, so every process resumes from the same folder or stops with the same message.
@@ -23,15 +31,220 @@ SFTTrainer)``); `OnlineTrainerMixin` includes it.
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import zipfile
+from dataclasses import dataclass, field
 
-from . import checkpoint as ckpt
-from .manifest import MANIFEST_NAME, ManifestCallback, check_finite_weight_files, check_rng_states, naming_file
+from .checkpoint import weight_files
+from .manifest import (
+    MANIFEST_NAME,
+    CheckpointIntegrityError,
+    ManifestCallback,
+    check_finite_weight_files,
+    check_rng_states,
+    naming_file,
+    verify_manifest,
+)
 from .run_folder import check_fresh_output_dir, explain_disk_full, lock_output_dir, remove_stale_stages
 from .run_record import check_run_record, warn_if_run_finished, write_run_record
 
-__all__ = ["VerifiedResumeMixin"]
+__all__ = [
+    "TRAINER_STATE_NAME",
+    "ResumeConfigMixin",
+    "VerifiedResumeMixin",
+    "is_complete_checkpoint",
+    "last_complete_checkpoint",
+    "list_checkpoints",
+    "resolve_resume_checkpoint",
+    "verify_checkpoint",
+]
+
+logger = logging.getLogger(__name__)
+
+TRAINER_STATE_NAME = "trainer_state.json"
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+# ------------------------------------------------------------------------------------------------ the options
+@dataclass
+class ResumeConfigMixin:
+    """The output-folder and resume options (documented in the docstrings of the configs that use them)."""
+
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start a fresh run in an output_dir that holds another run's checkpoint-N folders by deleting "
+            "them first. False (default): such an output_dir is refused (resume that run, or choose another "
+            "output_dir), so that two runs' checkpoints are never mixed."
+        },
+    )
+    allow_config_change: bool = field(
+        default=False,
+        metadata={
+            "help": "Resume from a checkpoint saved with other settings than this run's (its trl_ext_run.json lists "
+            "them), with a warning naming each one. False (default): refused, naming the settings that differ. "
+            "Where to write, logging, saving, hub and length options (max_steps, num_train_epochs, total_episodes) "
+            "may always change."
+        },
+    )
+
+    allow_rng_reset: bool = field(
+        default=False,
+        metadata={
+            "help": "Resume from a checkpoint that has no RNG state files (rng_state.pth, or rng_state_<rank>.pth "
+            "for each process) with fresh random-number generators, with a warning: the run then differs from an "
+            "uninterrupted one. False (default): such a checkpoint is refused."
+        },
+    )
+
+
+# ------------------------------------------------------------------------------ finding and verifying checkpoints
+def is_complete_checkpoint(path: str) -> bool:
+    """True when ``path`` holds ``trainer_state.json``, the last file `Trainer` writes into a checkpoint."""
+    return os.path.isfile(os.path.join(path, TRAINER_STATE_NAME))
+
+
+def _checkpoint_folders(output_dir: str) -> list[str]:
+    """The ``checkpoint-N`` folders of ``output_dir``, newest (largest ``N``, as a number) first."""
+    if not os.path.isdir(output_dir):
+        return []
+    steps = sorted(
+        ((int(m.group(1)), name) for name in os.listdir(output_dir) if (m := _CHECKPOINT_RE.match(name))),
+        reverse=True,
+    )
+    return [p for _, name in steps if os.path.isdir(p := os.path.join(output_dir, name))]
+
+
+def list_checkpoints(output_dir: str) -> list[str]:
+    """The complete ``checkpoint-N`` folders of ``output_dir`` (with ``trainer_state.json``), oldest first."""
+    return [path for path in reversed(_checkpoint_folders(output_dir)) if is_complete_checkpoint(path)]
+
+
+def last_complete_checkpoint(output_dir: str) -> str | None:
+    """The ``checkpoint-N`` folder of ``output_dir`` with the largest ``N`` that is complete, or ``None``.
+
+    Newer incomplete checkpoints (an interrupted save) are skipped with a warning. Files are not checked against the
+    manifest: :func:`resolve_resume_checkpoint` does that.
+    """
+    for path in _checkpoint_folders(output_dir):
+        if is_complete_checkpoint(path):
+            return path
+        logger.warning("Skipping %s: it has no %s (an interrupted save).", path, TRAINER_STATE_NAME)
+    return None
+
+
+def _other_checkpoints(path: str) -> str:
+    """A sentence naming the other complete checkpoints next to ``path``, for error messages."""
+    parent = os.path.dirname(os.path.normpath(path))
+    others = [os.path.basename(p) for p in list_checkpoints(parent) if os.path.normpath(p) != os.path.normpath(path)]
+    if not others:
+        return f" There is no other complete checkpoint in {parent}."
+    return f" Complete checkpoints in {parent}: {', '.join(others)}."
+
+
+def verify_checkpoint(path: str) -> bool:
+    """Check ``path`` against its ``trl_ext_manifest.json`` (`manifest.verify_manifest`).
+
+    Returns:
+        ``True`` when every listed file matches; ``False``, with a warning, when the checkpoint has no manifest
+        (written by an older trl_ext or by plain TRL / transformers, or interrupted just before the manifest): its
+        files cannot be checked.
+
+    Raises:
+        CheckpointIntegrityError: naming the files that are missing or differ, and the other checkpoints to resume
+            from.
+    """
+    try:
+        verified = verify_manifest(path)
+    except CheckpointIntegrityError as err:
+        raise CheckpointIntegrityError(
+            f"{err} Resume from an earlier checkpoint (resume_from_checkpoint=<folder>, or True for the newest one "
+            f"that verifies).{_other_checkpoints(path)}"
+        ) from None
+    _log_verified(path, verified)
+    return verified
+
+
+def _log_verified(path: str, verified: bool) -> None:
+    if verified:
+        logger.info("Checked every file of %s against its %s.", path, MANIFEST_NAME)
+        return
+    logger.warning(
+        "%s has no %s (written by an older trl_ext or by plain TRL / transformers, or interrupted just before the "
+        "manifest): its files cannot be checked before they are loaded.", path, MANIFEST_NAME,
+    )  # fmt: skip
+
+
+def _has_manifest(path: str) -> bool:
+    """Whether the checkpoint folder ``path`` has a ``trl_ext_manifest.json``."""
+    return os.path.isfile(os.path.join(path, MANIFEST_NAME))
+
+
+def _newest_verified_checkpoint(output_dir: str) -> str:
+    """The newest complete checkpoint of ``output_dir`` whose files match its manifest; see
+    :func:`resolve_resume_checkpoint`."""
+    folders = _checkpoint_folders(output_dir)
+    any_manifest = any(_has_manifest(path) for path in folders)
+    skipped = []
+    for path in folders:
+        if not is_complete_checkpoint(path):
+            reason = f"it has no {TRAINER_STATE_NAME} (an interrupted save)"
+        elif any_manifest and not _has_manifest(path):
+            reason = (
+                f"it has no {MANIFEST_NAME} while other checkpoints here have one (the save was interrupted before "
+                "the manifest was written)"
+            )
+        else:
+            try:
+                verified = verify_manifest(path)
+            except CheckpointIntegrityError as err:
+                reason = str(err)
+            else:
+                _log_verified(path, verified)
+                if skipped:
+                    logger.warning("Resuming from %s, the newest checkpoint that verifies.", path)
+                return path
+        logger.warning("Skipping %s: %s", path, reason)
+        skipped.append(f"{os.path.basename(path)} ({reason})")
+    raise ValueError(
+        f"No complete checkpoint (with {TRAINER_STATE_NAME} and files that match {MANIFEST_NAME}) in {output_dir}"
+        + (f"; skipped: {'; '.join(skipped)}." if skipped else ".")
+    )
+
+
+def resolve_resume_checkpoint(resume_from_checkpoint: str | bool | None, output_dir: str) -> str | None:
+    """The checkpoint folder `Trainer.train` should resume from, or ``None`` for a fresh run.
+
+    ``True`` picks the newest *complete* checkpoint of ``output_dir`` whose files match its manifest; older ones are
+    tried in turn, and each one skipped is named in a warning (no ``trainer_state.json``: an interrupted save; files
+    that differ from the manifest; no manifest while other checkpoints of the folder have one: interrupted before
+    the manifest was written). A path must be a complete checkpoint whose files match its manifest. A checkpoint
+    without any manifest (older trl_ext, plain TRL) is used with a warning. Anything false (``None``, ``False``,
+    ``""``) means no resume. The RNG states are checked apart
+    (:func:`~trl_ext.trainers.common.manifest.check_rng_states`).
+
+    Raises:
+        ValueError: ``True`` and no checkpoint qualifies, or the path is not a complete checkpoint.
+        CheckpointIntegrityError: (a ``ValueError``) the path's files do not match its manifest; the message names
+            them.
+    """
+    if resume_from_checkpoint is True:
+        return _newest_verified_checkpoint(output_dir)
+    if not resume_from_checkpoint:
+        return None
+    if not is_complete_checkpoint(resume_from_checkpoint):
+        raise ValueError(
+            f"{resume_from_checkpoint} is not a complete checkpoint (no {TRAINER_STATE_NAME}; probably interrupted "
+            "while saving). Resume from an earlier one, or pass resume_from_checkpoint=True."
+            + _other_checkpoints(resume_from_checkpoint)
+        )
+    verify_checkpoint(resume_from_checkpoint)
+    return resume_from_checkpoint
+
+
+# ------------------------------------------------------------------------------------------------ the trainer mixin
 
 
 class VerifiedResumeMixin:
@@ -76,7 +289,7 @@ class VerifiedResumeMixin:
         args = self.args
         lock_output_dir(args.output_dir, owner=self)
         remove_stale_stages(args.output_dir, checkpoints=True)
-        path = ckpt.resolve_resume_checkpoint(resume_from_checkpoint, args.output_dir)
+        path = resolve_resume_checkpoint(resume_from_checkpoint, args.output_dir)
         if path is None:
             check_fresh_output_dir(args.output_dir, getattr(args, "overwrite_output_dir", False))
             return None
@@ -102,7 +315,7 @@ class VerifiedResumeMixin:
 
     # --------------------------------------------------------------- `Trainer`'s loaders, with the files named
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        with naming_file(ckpt.weight_files(resume_from_checkpoint), "the model weights"):
+        with naming_file(weight_files(resume_from_checkpoint), "the model weights"):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint):

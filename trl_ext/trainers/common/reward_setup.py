@@ -5,15 +5,15 @@
   columns (`trl_ext.rollout.columns`), checked when the trainer is built;
 - :func:`build_reward`: the :class:`~trl_ext.rollout.reward.RolloutReward` of one reward, or the
   :class:`~trl_ext.rollout.reward_list.WeightedRewards` of a list with ``reward_weights``;
-- :func:`log_reward_components`: ``rewards/<name>/mean`` and ``/std`` of each function of a list.
 """
 
 from __future__ import annotations
 
+from ..._deprecation import moved_names
 from ...rollout.columns import check_reward_columns, reward_columns
-from ...rollout.reward_list import build_rollout_reward, reward_component_metrics, reward_members, reward_names
+from ...rollout.reward_list import build_rollout_reward, reward_members, reward_names
 
-__all__ = ["build_reward", "check_reward_arguments", "log_reward_components", "resolve_reward_argument"]
+__all__ = ["build_reward", "check_reward_arguments", "resolve_reward_argument"]
 
 _SMC_NOTE = (
     "negative_sampler='smc' scores partial particles without the dataset's columns: with it, reward functions may "
@@ -66,8 +66,4 @@ def build_reward(reward, tokenizer, args):
     return build_rollout_reward(reward, tokenizer, uses_images=args.reward_uses_images, weights=weights)
 
 
-def log_reward_components(metrics, rollout, gather=None, prefix: str = "rewards/") -> None:
-    """Add ``{prefix}<name>/mean`` and ``/std`` of each reward function of ``rollout`` (over every process's rows,
-    ``gather``) to ``metrics`` (anything with ``add(key, value)``); nothing for a single reward."""
-    for key, value in reward_component_metrics(rollout.reward_components, gather, prefix).items():
-        metrics.add(key, value)
+__getattr__ = moved_names(__name__, {"log_reward_components": "trl_ext.trainers.common.metrics"})

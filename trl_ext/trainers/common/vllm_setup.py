@@ -1,5 +1,5 @@
 """Building the vLLM engine of an online trainer (``use_vllm=True``, `vllm_config.VLLMConfigMixin`), the checks of
-what vLLM can sample for, and the importance-sampling correction of PPO's advantages.
+what vLLM can sample for. (The importance-sampling correction of the advantages is in `trl_ext.ops.advantages`.)
 
 :func:`build_vllm_engine` returns a :class:`~trl_ext.rollout.vllm.VLLMRolloutEngine` for the rollout generator, or
 ``None`` (``use_vllm=False``, or a policy vLLM cannot run with ``vllm_fallback=True``: the rollout then uses
@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -20,8 +21,7 @@ from torch import nn
 from ...models.lora import is_peft_model
 from ...models.modulated import ModulatedCausalLM
 from ...models.value_head import AutoModelForCausalLMWithValueHead
-from ...ops.importance import vllm_importance_weights
-from ...ops.stats import masked_mean
+from ...ops.advantages import importance_corrected_advantages as _corrected
 from ...rollout.vision import is_vision_language_model
 from ...rollout.vllm import VLLM_INSTALL_HINT, VLLMRolloutEngine, is_vllm_installed
 
@@ -113,21 +113,23 @@ def build_vllm_engine(
 
 
 def importance_corrected_advantages(args, rollout, advantages: torch.Tensor, metrics=None) -> torch.Tensor:
-    """``advantages × w`` with the truncated importance weights ``w`` of ``rollout`` (samples from vLLM, see
-    `trl_ext.ops.importance`) when ``vllm_importance_sampling_correction`` is on, else ``advantages``. Logs
-    ``vllm/logprob_diff`` (mean |log π_train − log π_vLLM| per token) and ``vllm/is_weight_mean`` to ``metrics``."""
-    if rollout.engine_logprobs is None:
-        return advantages
-    mask = rollout.response_mask
-    diff = (rollout.logprobs.float() - rollout.engine_logprobs.float()).abs()
-    if metrics is not None:
-        metrics.add("vllm/logprob_diff", float(masked_mean(diff, mask)))
-    if not getattr(args, "vllm_importance_sampling_correction", False):
-        return advantages
-    weights = vllm_importance_weights(
-        rollout.logprobs, rollout.engine_logprobs, mask, args.vllm_importance_sampling_mode,
-        args.vllm_importance_sampling_clip_max, args.vllm_importance_sampling_clip_min,
+    """Deprecated: the correction is an advantage estimator now,
+    `trl_ext.ops.advantages.importance_corrected_advantages` (pure; PPOTrainer logs its ``vllm/*`` statistics). This
+    wrapper keeps the old signature until trl_ext 0.3."""
+    warnings.warn(
+        "trl_ext.trainers.common.vllm_setup.importance_corrected_advantages moved to "
+        "trl_ext.ops.advantages.importance_corrected_advantages (tensors in, (advantages, stats) out).",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    advantages, stats = _corrected(
+        advantages, rollout.logprobs, rollout.engine_logprobs, rollout.response_mask,
+        correct=getattr(args, "vllm_importance_sampling_correction", False),
+        mode=getattr(args, "vllm_importance_sampling_mode", "token_truncate"),
+        clip_max=getattr(args, "vllm_importance_sampling_clip_max", None),
+        clip_min=getattr(args, "vllm_importance_sampling_clip_min", None),
     )  # fmt: skip
-    if metrics is not None:
-        metrics.add("vllm/is_weight_mean", float(masked_mean(weights, mask)))
-    return advantages * weights.to(advantages.dtype)
+    for name, value in stats.items():
+        if metrics is not None:
+            metrics.add(f"vllm/{name}", value)
+    return advantages

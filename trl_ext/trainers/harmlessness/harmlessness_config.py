@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Literal
 
 from ...losses import available_losses, get_loss_spec
-from ...losses.reinforce import ALPHA_CONVENTIONS, BASELINES
+from ...losses.reinforce import ALPHA_CONVENTIONS
+from ...ops.advantages import BASELINES
 from ...ops.kl import KL_ESTIMATORS
+from ...ops.kl_control import KLControlConfigMixin, kl_coef_field
 from ...rewards import REWARD_TRANSFORMS, RM_TYPES
 from ..common.online_config import TwistTargetConfig
 from ..common.ptx_config import PtxConfigMixin
@@ -37,7 +38,7 @@ REWARD_TRANSFORM_NAMES: tuple[str, ...] = REWARD_TRANSFORMS
 @document_vllm_options
 @document_shared_options
 @dataclass
-class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, TwistTargetConfig):
+class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, KLControlConfigMixin, TwistTargetConfig):
     r"""
     Configuration class for [`~trl_ext.HarmlessnessTrainer`], the RePULSe training loop: a policy `p_θ` trained with
     REINFORCE plus a term that pushes down the probability of its own low-reward outputs, found by a learned proposal
@@ -386,26 +387,7 @@ class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, TwistTargetConfig):
             "sigma-weights), p_bad and save_negdata stay on raw rewards. Saved in checkpoints."
         },
     )
-    kl_coef: float = field(
-        default=0.2,
-        metadata={"help": "KL-to-p_0 coefficient in the policy's return (the adaptive controller's start value)."},
-    )
-    kl_target: float | None = field(
-        default=None,
-        metadata={
-            "help": "Target KL of Ziegler et al. (2019)'s adaptive KL controller; None: kl_coef stays fixed. After "
-            "each policy update with mean per-sequence KL `kl` (base/kl) over its n policy samples: "
-            "kl_coef *= 1 + clip(kl / kl_target - 1, -0.2, 0.2) * n / kl_horizon, used by the next update (logged "
-            "as base/kl_coef). Must be > 0."
-        },
-    )
-    kl_horizon: int = field(
-        default=10000,
-        metadata={
-            "help": "Horizon of the adaptive KL controller, in policy samples (>= 1; keep it well above the samples "
-            "of one update: each update moves kl_coef by at most 0.2 * n / kl_horizon of itself)."
-        },
-    )
+    kl_coef: float = kl_coef_field(0.2)  # (the policy's return r' - kl_coef * KL; PPO's default is 0.05)
     kl_estimator: Literal["k1", "k2", "k3"] = field(
         default="k1", metadata={"help": "Per-token KL estimator: 'k1' (the original's), 'k2' or 'k3'."}
     )
@@ -557,12 +539,7 @@ class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, TwistTargetConfig):
         if self.start_alpha is not None and not self.alpha > 0:
             fail("start_alpha is set but alpha is 0: a log-spaced schedule needs alpha > 0.")
         self._check_choice("kl_estimator", KL_ESTIMATORS)
-        if self.kl_coef < 0:
-            fail(f"kl_coef={self.kl_coef} must be >= 0.")
-        if self.kl_target is not None and not (math.isfinite(self.kl_target) and self.kl_target > 0):
-            fail(f"kl_target={self.kl_target}: set a positive KL target, or None for a fixed kl_coef.")
-        if self.kl_horizon < 1:
-            fail(f"kl_horizon={self.kl_horizon}: set kl_horizon >= 1 (policy samples).")
+        self.check_kl_control(fail)
         negative = spec.kind == "harmlessness"
         if negative and not self.use_base_as_proposal and self.proposal_loss_type is None:
             fail(

@@ -38,19 +38,19 @@ from ...losses import LossOutput, get_loss_spec
 from ...losses.weights import ORIGINAL_INDICATOR_THRESHOLD
 from ...ops import kl_estimate, masked_sum
 from ...rewards import log_target_weight
-from ...rollout.columns import rollout_inputs
-from ...rollout.data import left_padded
-from ...rollout.fsdp import call_as_root_forward
-from ...rollout.generator import (
+from ...rollout import (
     ReferencePolicy,
     Rollout,
     RolloutGenerator,
     forward_response,
     rollout_logprobs,
 )
+from ...rollout.columns import rollout_inputs
+from ...rollout.data import left_padded
+from ...rollout.fsdp import call_as_root_forward
 from ...rollout.vision import check_vision_models, concat_vision
 from ...utils import eval_mode
-from ..common.metrics import PPOMetrics
+from ..common.metrics import OnlineMetrics
 from ..common.online import OnlineTrainerMixin
 from ..common.ptx import build_ptx
 from ..common.reward_setup import build_reward
@@ -195,7 +195,7 @@ class HarmlessnessTrainer(
         self._loss = get_loss_spec(args.loss_type)
         self._needs_neg_rewards = "neg_rewards" in inspect.signature(self._loss.fn).parameters
         self._policy_shaping, self._target_shaping = reward_shapings(args)
-        self._metrics = PPOMetrics()
+        self._metrics = OnlineMetrics()
         self._timings: dict[str, float] = {}
         self._last_weights: torch.Tensor | None = None
         self._kl_accumulator: tuple[float, int, int] = (0.0, 0, 0)  # (Σ base/kl, micro-steps, samples) this update

@@ -22,9 +22,8 @@ from ...ops import kl_estimate, masked_sum
 from ...rollout.columns import COLUMNS_KEY
 from ...rollout.data import left_padded
 from ...rollout.negdata import NegativeDataWriter
-from ..common import checkpoint as ckpt
 from ..common.online import evaluates_with_ema, forked_rng
-from ..common.reward_setup import log_reward_components
+from . import checkpoint as ckpt
 from .steps import HarmlessnessRollouts, step_metrics
 
 __all__ = ["HarmlessnessTrainerIO"]
@@ -216,9 +215,9 @@ class HarmlessnessTrainerIO:
             if rollouts.proposal is not None or not key.startswith("proposal"):  # no proposal: no proposal timings
                 self._metrics.add(f"timing/{key}", seconds)
         self._metrics.scalars.update(beta=self.beta, alpha=self.alpha)
-        log_reward_components(self._metrics, rollouts.policy, self.accelerator.gather)  # a list: rewards/<name>/*
+        self._metrics.add_reward_components(rollouts.policy, self.accelerator.gather)  # a list: rewards/<name>/*
         if rollouts.proposal is not None:
-            log_reward_components(self._metrics, rollouts.proposal, self.accelerator.gather, "proposal/rewards/")
+            self._metrics.add_reward_components(rollouts.proposal, self.accelerator.gather, "proposal/rewards/")
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add the metrics collected since the last log (and the proposal's learning rate) to `Trainer`'s logs."""

@@ -24,7 +24,7 @@ from torch import nn
 from ...models.lora import is_peft_model, reference_is_base_with_adapters_disabled
 from ...models.modulated import ModulatedCausalLM
 from ...models.twist import modulation_kind_of
-from ...rollout.generator import ReferencePolicy, supports_logits_to_keep
+from ...rollout import ReferencePolicy, supports_logits_to_keep
 from ..common.checks import refuse_same_object
 from ..common.model_parts import ModelParts, TokenLogProbsOutput, add_adapters, shares_parameters
 from .config_checks import HEAD_PARAMETERIZATIONS

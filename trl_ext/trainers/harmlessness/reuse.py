@@ -19,7 +19,7 @@ import dataclasses
 import torch
 
 from ...losses.weights import effective_sample_size
-from ...rollout.generator import Rollout
+from ...rollout import Rollout
 from .steps import HarmlessnessRewards, HarmlessnessRollouts, negative_sample_weights
 
 __all__ = ["ProposalReuse", "ProposalReuseMixin", "sigma_weights_of"]

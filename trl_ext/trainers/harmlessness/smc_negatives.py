@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ...rollout.generator import Rollout, RolloutReward
+from ...rollout import Rollout, RolloutReward
 from ...sampling import LMTwist, SMCConfig, twisted_smc
 
 __all__ = ["SMCNegatives", "smc_negatives"]

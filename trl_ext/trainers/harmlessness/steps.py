@@ -15,7 +15,7 @@ import torch
 from ...losses.weights import ORIGINAL_INDICATOR_THRESHOLD, effective_sample_size, sigma_weights
 from ...ops import group_rows, kl_estimate, masked_sum
 from ...rewards import RewardShaping
-from ...rollout.generator import Rollout
+from ...rollout import Rollout
 
 __all__ = [
     "HarmlessnessRewards",

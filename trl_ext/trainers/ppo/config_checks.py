@@ -4,13 +4,13 @@ critic-only warm-up (`freezing_actor_steps`). Each takes the config and its ``fa
 from __future__ import annotations
 
 from ...losses import available_losses, get_loss_spec
-from ...losses.reinforce import BASELINES
+from ...ops.advantages import BASELINES
 
 __all__ = ["ACTOR_LOSS_KINDS", "REINFORCE_BASELINES", "check_actor_loss", "check_freezing_actor"]
 
 #: Loss kinds `actor_loss_type` may name: a clipped-surrogate style loss or a score-function (REINFORCE) loss.
 ACTOR_LOSS_KINDS: tuple[str, ...] = ("policy", "reinforce")
-#: Baselines of `actor_loss_type="reinforce"` (see `trl_ext.losses.reinforce.compute_baseline`).
+#: Baselines of `actor_loss_type="reinforce"` (see `trl_ext.ops.advantages.compute_baseline`).
 REINFORCE_BASELINES: tuple[str, ...] = ("none", "rloo", "hardcoded")
 
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from ...rollout.generator import Rollout
+from ...rollout import Rollout
 
 __all__ = [
     "Experience",

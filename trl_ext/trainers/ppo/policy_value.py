@@ -23,7 +23,7 @@ from ...models.lora import is_peft_model, reference_is_base_with_adapters_disabl
 from ...models.reward import _decoder_parts, apply_reward_normalization
 from ...models.value_head import AutoModelForCausalLMWithValueHead, prepare_value_head_for_peft
 from ...ops.sequences import position_ids_from_attention_mask
-from ...rollout.generator import ReferencePolicy, causal_lm_outputs, supports_logits_to_keep
+from ...rollout import ReferencePolicy, causal_lm_outputs, supports_logits_to_keep
 from ...rollout.shared_prefix import can_share_prompt, hidden_with_shared_prompt
 from ..common.model_parts import ModelParts, add_adapters, shares_parameters
 

@@ -11,6 +11,7 @@ from transformers import TrainingArguments
 
 from ...losses import AGGREGATIONS, get_loss_spec
 from ...ops.kl import KL_ESTIMATORS
+from ...ops.kl_control import KLControlConfigMixin
 from ..common.online_config import OnlineConfig
 from ..common.ptx_config import PtxConfigMixin
 from ..common.shared_docs import document_shared_options
@@ -23,7 +24,7 @@ __all__ = ["PPOConfig", "ACTOR_LOSS_KINDS", "REINFORCE_BASELINES"]
 @document_vllm_options
 @document_shared_options
 @dataclass
-class PPOConfig(VLLMConfigMixin, PtxConfigMixin, OnlineConfig):
+class PPOConfig(VLLMConfigMixin, PtxConfigMixin, KLControlConfigMixin, OnlineConfig):
     r"""
     Configuration class for [`~trl_ext.PPOTrainer`].
 
@@ -292,25 +293,6 @@ class PPOConfig(VLLMConfigMixin, PtxConfigMixin, OnlineConfig):
     )
 
     # ----------------------------------------------------------------------------------------------- rewards
-    kl_coef: float = field(
-        default=0.05, metadata={"help": "KL coefficient (kl_target's start value); 0 w/o kl_target: no reference run."}
-    )
-    kl_target: float | None = field(
-        default=None,
-        metadata={
-            "help": "Target KL of Ziegler et al. (2019)'s adaptive KL controller; None: kl_coef stays fixed. After "
-            "each update with mean per-sequence KL `kl` (objective/kl) over n responses (batch_size): "
-            "kl_coef *= 1 + clip(kl / kl_target - 1, -0.2, 0.2) * n / kl_horizon, used by the next update's rewards "
-            "(logged as objective/kl_coef). Must be > 0."
-        },
-    )
-    kl_horizon: int = field(
-        default=10000,
-        metadata={
-            "help": "Horizon of the adaptive KL controller, in responses (>= 1; keep it well above batch_size: each "
-            "update moves kl_coef by at most 0.2 * batch_size / kl_horizon of itself)."
-        },
-    )
     kl_estimator: Literal["k1", "k2", "k3"] = field(
         default="k1",
         metadata={
@@ -502,12 +484,9 @@ class PPOConfig(VLLMConfigMixin, PtxConfigMixin, OnlineConfig):
             fail(f"dual_clip={self.dual_clip}: set dual_clip > 1, or None to disable it.")
         if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
             fail(f"gamma={self.gamma}, lam={self.lam}: both must be in [0, 1].")
-        if self.vf_coef < 0 or self.kl_coef < 0:
-            fail(f"vf_coef={self.vf_coef}, kl_coef={self.kl_coef}: coefficients must be >= 0.")
-        if self.kl_target is not None and not (math.isfinite(self.kl_target) and self.kl_target > 0):
-            fail(f"kl_target={self.kl_target}: set a positive KL target, or None for a fixed kl_coef.")
-        if self.kl_horizon < 1:
-            fail(f"kl_horizon={self.kl_horizon}: set kl_horizon >= 1 (responses).")
+        if self.vf_coef < 0:
+            fail(f"vf_coef={self.vf_coef}: set a coefficient >= 0.")
+        self.check_kl_control(fail)
         self._check_choice("loss_aggregation", AGGREGATIONS)
         check_actor_loss(self, fail)
         check_freezing_actor(self, fail)

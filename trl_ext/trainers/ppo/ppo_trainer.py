@@ -9,6 +9,24 @@ fresh permutation of the rollout, cut into ``num_mini_batches`` minibatches, eac
 (:meth:`compute_policy_loss`, :meth:`compute_value_loss`), normalised by the whole minibatch's sequence or token
 count, and `Trainer` back-propagates it; `Trainer`'s optimizer step after each accumulation is one minibatch update.
 Optimizer, scheduler, gradient clipping, mixed precision, logging, callbacks, checkpoints and resume are `Trainer`'s.
+
+The route of one PPO update (a rollout and all its optimizer steps), file by file — rewards → advantages → losses:
+
+1. this file: :meth:`PPOTrainer.training_step` → ``_make_experience`` → :meth:`rollout`, :meth:`compute_rewards`,
+   :meth:`compute_advantages`, then :meth:`compute_loss` on each micro-batch;
+2. `trl_ext/ops/kl.py` (the per-token KL estimate) and `trl_ext/ops/rewards.py` (score − β·KL per token, the score at
+   the last position, located with `trl_ext/ops/sequences.py`);
+3. `trl_ext/ops/advantages.py` (GAE with a critic; return − baseline without; the vLLM importance correction) and
+   `trl_ext/ops/stats.py` (masked means and whitening);
+4. `trl_ext/losses/ppo.py` (the clipped policy and value losses) on `trl_ext/losses/base.py` (their reduction);
+5. around them: `trl_ext/trainers/ppo/experience.py` (the epochs × minibatches × micro-batches schedule),
+   `trl_ext/trainers/common/online.py` (what every online trainer shares: row keys, the running reward
+   normaliser, sums over processes), `trl_ext/trainers/common/metrics.py` (the logged metrics) and
+   `trl_ext/trainers/common/finite.py` (a non-finite loss or gradient skips the optimizer step).
+
+Sampling and scoring (`trl_ext.rollout`: generate, the log-probs of the responses, the reference, the critic and the
+reward) and the models (`trl_ext.models`, `policy_value.py`'s policy-and-critic forward) are the two boxes this
+route calls into; `tests/test_ppo_route.py` checks that an update runs these files and no others.
 """
 
 from __future__ import annotations
@@ -26,30 +44,30 @@ from torch.utils.data import DataLoader
 from trl.trainer.base_trainer import _BaseTrainer
 
 from ...losses import LossOutput, get_loss, get_loss_spec
-from ...losses.reinforce import compute_baseline
 from ...models.critic import load_critic
 from ...ops import (
     assemble_token_rewards,
     extend_mask_past_last,
     gae_advantages,
+    importance_corrected_advantages,
     kl_estimate,
     masked_sum,
     masked_whiten,
+    sequence_advantages,
 )
+from ...ops.kl_control import AdaptiveKLController
+from ...rollout import Rollout, forward_response
 from ...rollout.columns import COLUMNS_KEY, rollout_inputs
 from ...rollout.data import left_padded
 from ...rollout.finite import drop_rows, expand_to_groups
-from ...rollout.generator import Rollout, forward_response
 from ...rollout.vision import check_vision_critic, check_vision_models
-from ..common import checkpoint as ckpt
 from ..common.checks import load_model_argument, refuse_same_object
-from ..common.kl_control import AdaptiveKLController
 from ..common.manifest import naming_file
-from ..common.metrics import PPOMetrics, rollout_metrics
+from ..common.metrics import OnlineMetrics, rollout_metrics
 from ..common.online import OnlineTrainerMixin, evaluates_with_ema, forked_rng
 from ..common.ptx import build_ptx
-from ..common.reward_setup import build_reward, log_reward_components
-from ..common.vllm_setup import importance_corrected_advantages
+from ..common.reward_setup import build_reward
+from . import checkpoint as ckpt
 from .compat import TRL112Attributes, UpdateCadence, update_columns
 from .experience import (
     Experience,
@@ -180,7 +198,11 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
             build_reward(self.reward_model, self.tokenizer, args),
             None if self.kl_is_off else self.reference, policy_of=lambda m: m.policy, with_values=wrapper.has_critic,
         )  # fmt: skip
-        self._metrics = PPOMetrics()
+        self._metrics = OnlineMetrics()
+        # The losses, looked up in the registry once (`trl_ext.losses`): the update calls the functions themselves.
+        actor = get_loss_spec(args.actor_loss_type)
+        self._actor_loss = actor if actor.kind == "reinforce" else get_loss_spec(args.actor_loss_type, "policy")
+        self._value_loss = get_loss("clipped_value", "value")
         self._resume_path: str | None = None
         self._micro_step: int | None = None
         self._experience: Experience | None = None
@@ -323,7 +345,7 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         self._metrics.scalars["objective/kl_coef"] = self.kl_controller.value  # the coefficient of these rewards
         self._update_kl_controller(rewards.kl, rollout.response_mask)
         advantages, returns = self.compute_advantages(rollout, rewards)
-        advantages = importance_corrected_advantages(self.args, rollout, advantages, self._metrics)  # use_vllm
+        advantages = self._importance_corrected(rollout, advantages)  # use_vllm
         schedule = self._schedule(rollout_index, rollout)
         normalizers = self._normalizers(rollout.response_mask, schedule, rollout.dropped)
         value_mask = value_normalizers = None
@@ -341,6 +363,19 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         )
         self._log_rollout(rollout, rewards, rollout_index)
         return experience
+
+    def _importance_corrected(self, rollout: Rollout, advantages: torch.Tensor) -> torch.Tensor:
+        """With vLLM samples: log ``vllm/logprob_diff`` and, with ``vllm_importance_sampling_correction``, weigh the
+        advantages by the truncated importance weights (``vllm/is_weight_mean``; `trl_ext.ops.advantages`)."""
+        args = self.args
+        advantages, stats = importance_corrected_advantages(
+            advantages, rollout.logprobs, rollout.engine_logprobs, rollout.response_mask,
+            correct=args.vllm_importance_sampling_correction, mode=args.vllm_importance_sampling_mode,
+            clip_max=args.vllm_importance_sampling_clip_max, clip_min=args.vllm_importance_sampling_clip_min,
+        )  # fmt: skip
+        for name, value in stats.items():
+            self._metrics.add(f"vllm/{name}", value)
+        return advantages
 
     def _drop_nonfinite(self, rollout: Rollout) -> Rollout:
         """With ``nonfinite_rewards="drop"``: log ``objective/nonfinite_rewards`` (the samples of this rollout with a
@@ -452,14 +487,15 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         if rollout.values is not None:
             advantages, returns = gae_advantages(rewards.rewards, rollout.values, score_mask, args.gamma, args.lam)
             return masked_whiten(advantages, mask, reduce=self._sum_over_processes()), returns
-        returns_seq = masked_sum(rewards.rewards, score_mask, dim=-1)
-        grouped = returns_seq.view(-1, rollout.num_samples_per_prompt)
-        baseline = compute_baseline(grouped, args.reinforce_baseline, baseline_value=args.reinforce_baseline_value)
-        advantages = (returns_seq - baseline.reshape(-1).to(returns_seq.dtype)).unsqueeze(-1)
-        return advantages * (mask != 0), None
+        advantages = sequence_advantages(
+            rewards.rewards, score_mask, mask, rollout.num_samples_per_prompt,
+            args.reinforce_baseline, args.reinforce_baseline_value,
+        )  # fmt: skip
+        return advantages, None
 
     def compute_policy_loss(self, logprobs: torch.Tensor, batch: dict, normalizer: float) -> LossOutput:
-        """The actor loss of a micro-batch (``actor_loss_type`` from the loss registry).
+        """The actor loss of a micro-batch (``actor_loss_type``, looked up in the loss registry when the trainer is
+        built).
 
         ``batch`` holds ``old_logprobs``, ``advantages``, ``response_mask`` (``(B, T)``). A ``"policy"`` loss is
         called as ``loss(logprobs, old_logprobs, advantages, mask, cliprange=, dual_clip=, aggregation=,
@@ -467,12 +503,11 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         advantage as its reward and no baseline (the baseline is already in the advantage).
         """
         args, mask = self.args, batch["response_mask"]
-        spec = get_loss_spec(args.actor_loss_type)
+        spec = self._actor_loss
         common = {"aggregation": args.loss_aggregation, "normalizer": normalizer}
         if spec.kind == "reinforce":
-            return spec.call(logprobs, batch["advantages"][:, 0], mask, baseline="none", **common)
-        spec = get_loss_spec(args.actor_loss_type, "policy")
-        return spec.call(
+            return spec.fn(logprobs, batch["advantages"][:, 0], mask, baseline="none", **common)
+        return spec.fn(
             logprobs, batch["old_logprobs"], batch["advantages"], mask,
             cliprange=args.cliprange, dual_clip=args.dual_clip, **common,
         )  # fmt: skip
@@ -480,9 +515,8 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
     def compute_value_loss(self, values: torch.Tensor, batch: dict, normalizer: float) -> LossOutput:
         """The clipped value loss of a micro-batch (`trl_ext.losses.clipped_value_loss`, ``cliprange_value``) over
         ``batch["value_mask"]`` (the :meth:`score_mask`; the response mask when absent)."""
-        fn = get_loss("clipped_value", "value")
         args = self.args
-        return fn(
+        return self._value_loss(
             values, batch["old_values"], batch["returns"], batch.get("value_mask", batch["response_mask"]),
             cliprange_value=args.cliprange_value, aggregation=args.loss_aggregation, normalizer=normalizer,
         )  # fmt: skip
@@ -549,7 +583,7 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
             rollout.contains_stop,
         )  # fmt: skip
         self._metrics.add_rollout(values, rollout.timings, int(rollout.response_mask.sum()), self.accelerator.gather)
-        log_reward_components(self._metrics, rollout, self.accelerator.gather)  # rewards/<name>/mean, std (lists)
+        self._metrics.add_reward_components(rollout, self.accelerator.gather)  # rewards/<name>/mean, std (lists)
         episode = (rollout_index + 1) * self.args.batch_size
         if self._episode_start is None:
             self._episode_start = rollout_index * self.args.batch_size

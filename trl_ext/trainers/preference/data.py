@@ -77,7 +77,7 @@ def _sample_chosen(
     prompts: list[str], policy, tokenizer, *, max_new_tokens: int, temperature: float, batch_size: int, seed: int
 ) -> list[str]:
     """One sampled completion per prompt (decoded with special tokens, like the negative data's responses)."""
-    from ...rollout.generator import SamplingSettings, generate_responses
+    from ...rollout import SamplingSettings, generate_responses
 
     if tokenizer is None:
         raise ValueError("Sampling chosen completions from `policy` needs its `tokenizer`; pass tokenizer=...")

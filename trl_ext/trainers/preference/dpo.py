@@ -23,8 +23,7 @@ from ..common.distributed import CpuFsdpMixin
 from ..common.finite import FiniteStepsArguments, FiniteStepsMixin
 from ..common.model_card import CompleteModelCard
 from ..common.precision import default_bf16_off_without_gpu
-from ..common.resume import VerifiedResumeMixin
-from ..common.resume_config import ResumeConfigMixin
+from ..common.resume import ResumeConfigMixin, VerifiedResumeMixin
 from ..common.run_summary import RunSummaryMixin
 from ..common.shared_docs import document_shared_options
 from .checks import DPO_LOSS_TYPES, check_config, check_dpo_dataset

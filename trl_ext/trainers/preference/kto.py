@@ -19,8 +19,7 @@ from ..common.distributed import CpuFsdpMixin
 from ..common.finite import FiniteStepsArguments, FiniteStepsMixin
 from ..common.model_card import CompleteModelCard
 from ..common.precision import default_bf16_off_without_gpu
-from ..common.resume import VerifiedResumeMixin
-from ..common.resume_config import ResumeConfigMixin
+from ..common.resume import ResumeConfigMixin, VerifiedResumeMixin
 from ..common.run_summary import RunSummaryMixin
 from ..common.shared_docs import document_shared_options
 from .checks import check_config, check_kto_dataset, kto_loss_types

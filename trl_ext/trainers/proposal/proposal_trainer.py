@@ -34,15 +34,17 @@ from ...models.lora import adapters_disabled, reference_is_base_with_adapters_di
 from ...models.modulated import ModulatedCausalLM
 from ...models.modulated_utils import load_modulation_state_dict
 from ...models.twist import MODULATION_PARAMETERIZATIONS, modulation_kind_of
+from ...rollout import ReferencePolicy, Rollout, generate_responses, supports_logits_to_keep
 from ...rollout.columns import COLUMNS_KEY, rollout_inputs
 from ...rollout.data import left_padded
 from ...rollout.fsdp import call_as_root_forward
-from ...rollout.generator import ReferencePolicy, Rollout, generate_responses, supports_logits_to_keep
 from ..common import checkpoint as ckpt
 from ..common.checks import refuse_same_object
+from ..common.metrics import log_reward_components
 from ..common.model_parts import add_adapters, shares_parameters
 from ..common.online import OnlineTrainerMixin, evaluates_with_ema, forked_rng
-from ..common.reward_setup import build_reward, log_reward_components
+from ..common.reward_setup import build_reward
+from ..common.run_folder import stage_prefix
 from .metrics import ProposalMetrics, proposal_diagnostics
 from .proposal_config import ProposalConfig
 from .twist_step import TwistLossOutput, twist_loss, validate_twist_setup
@@ -246,15 +248,16 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
                     f"unexpected {result.unexpected_keys[:5]}."
                 )
         else:
-            ckpt.load_policy_and_value(q, None, resume_from_checkpoint)
+            ckpt.load_model_weights(q, resume_from_checkpoint)
 
     def _write_models(self, output_dir: str, state_dict: dict | None) -> None:
         """``q`` in HF format (a modulation saves only its own weights, a PEFT model its adapter)."""
         if state_dict is not None:
             state_dict = {f"policy.{k}": v for k, v in state_dict.items()}
-        ckpt.save_policy_and_value(
-            self.accelerator.unwrap_model(self.model), None, output_dir, state_dict=state_dict,
+        ckpt.save_model_pair(
+            self.accelerator.unwrap_model(self.model), None, "", output_dir, state_dict=state_dict,
             processing_class=self.processing_class, extra_files={"training_args.bin": self.args},
+            tokenizer_with_second=False, stage_prefix=stage_prefix("ppo"),
         )  # fmt: skip
 
     # ------------------------------------------------------------------------------------- the training step

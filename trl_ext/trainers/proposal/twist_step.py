@@ -39,7 +39,7 @@ from ...models.twist import (
 )
 from ...ops.logprobs import DEFAULT_CHUNK_SIZE, entropy_from_logits, full_logprobs, logprobs_from_logits
 from ...ops.sequences import group_rows
-from ...rollout.generator import causal_lm_outputs, forward_response
+from ...rollout import causal_lm_outputs, forward_response
 from ...rollout.vision import concat_vision
 from ...utils import eval_mode, unwrap_model
 

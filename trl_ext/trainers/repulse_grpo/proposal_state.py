@@ -26,7 +26,9 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from ..common.checkpoint import PROPOSAL_DIR, _move_into, list_checkpoints, load_policy_and_value
+from ..common.checkpoint import load_model_weights, move_into
+from ..common.resume import list_checkpoints
+from ..harmlessness.checkpoint import PROPOSAL_DIR
 
 __all__ = [
     "OPTIMIZER_NAME",
@@ -59,7 +61,7 @@ def save_proposal_state(
             torch.save(optimizer.state_dict(), os.path.join(stage, OPTIMIZER_NAME))
         with open(os.path.join(stage, STATE_NAME), "w", encoding="utf-8") as f:
             json.dump(dict(extra or {}), f)
-        _move_into(root, checkpoint_dir)  # one rename puts the whole folder in place (an old one is replaced whole)
+        move_into(root, checkpoint_dir)  # one rename puts the whole folder in place (an old one is replaced whole)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return target
@@ -80,7 +82,7 @@ def load_proposal_state(proposal: nn.Module, optimizer: torch.optim.Optimizer | 
             "the run was killed while saving it), so the proposal cannot be restored. Resume from an earlier "
             "checkpoint, or start the proposal afresh by loading the policy as the model of a new run."
         )
-    load_policy_and_value(proposal, None, path)
+    load_model_weights(proposal, path)
     opt_path = os.path.join(path, OPTIMIZER_NAME)
     if optimizer is not None and os.path.isfile(opt_path):
         optimizer.load_state_dict(torch.load(opt_path, map_location="cpu", weights_only=True))

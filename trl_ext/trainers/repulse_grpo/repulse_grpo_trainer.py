@@ -42,7 +42,7 @@ from ...losses.reinforce import push_down_loss
 from ...losses.weights import ORIGINAL_INDICATOR_THRESHOLD, effective_sample_size, sigma_weights
 from ...ops import group_rows
 from ...rewards import log_target_weight
-from ...rollout.generator import ReferencePolicy, Rollout, RolloutGenerator, SamplingSettings, forward_response
+from ...rollout import ReferencePolicy, Rollout, RolloutGenerator, SamplingSettings, forward_response
 from ...rollout.negdata import NegativeDataWriter
 from ...rollout.reward_list import reward_component_metrics
 from ..common.model_parts import add_adapters
