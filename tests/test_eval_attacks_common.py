@@ -366,3 +366,27 @@ def test_evaluation_option_errors(model, tok):
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
             evaluate(model, tok, **kwargs)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['samples'\].*AttackEvalOptions"):
+        evaluate(model, tok, samples=3)
+
+
+def test_one_options_object_or_its_keywords_give_the_same_report(model, tok):
+    """`AttackEvalOptions` is the one declaration of the evaluation's options: passed whole, or field by field as
+    keywords (which override the object's fields), the evaluation is the same; the recipes' arguments extend it."""
+    from dataclasses import fields
+
+    from trl_ext.eval.attacks import AttackEvalOptions
+    from trl_ext.eval.attacks.cli import AttackScriptArguments, eval_kwargs
+
+    by_keywords = evaluate(model, tok, seed=3, top_k=5)
+    by_object = evaluate(
+        model, tok, options=AttackEvalOptions(seed=3, top_k=5, samples_per_prompt=6, max_new_tokens=6)
+    )
+    overridden = evaluate(model, tok, options=AttackEvalOptions(seed=9, top_k=5), seed=3)
+    for report in (by_object, overridden):
+        assert report["config"] == by_keywords["config"]
+        assert [g["after"] for g in report["goals"]] == [g["after"] for g in by_keywords["goals"]]
+    script = AttackScriptArguments(model_name_or_path="m", behaviors_csv="b.csv", seed=4, samples_per_prompt=7)
+    assert {f.name for f in fields(AttackEvalOptions)} <= {f.name for f in fields(AttackScriptArguments)}
+    options = eval_kwargs(script, "gcg")["options"]
+    assert options == AttackEvalOptions(seed=4, samples_per_prompt=7) and type(options) is AttackEvalOptions

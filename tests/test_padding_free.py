@@ -12,7 +12,7 @@ from trl_ext.models import AutoModelForCausalLMWithValueHead
 from trl_ext.models.padding_free import check_padding_free
 from trl_ext.rollout import forward_response
 from trl_ext.trainers.ppo.policy_value import PolicyAndValueModel
-from trl_ext.trainers.proposal.twist_step import twist_loss
+from trl_ext.trainers.twist.twist_step import twist_loss
 
 T = 5
 

@@ -1,4 +1,4 @@
-"""`trl_ext.trainers.proposal.twist_step.twist_loss`: the twist step shared by the proposal and harmlessness trainers.
+"""`trl_ext.trainers.twist.twist_step.twist_loss`: the twist step shared by the proposal and harmlessness trainers.
 
 - CTL on ``policy_psi_q_p_s_t`` has the gradient of its formula computed by hand from an independent forward pass
   (σ-weighted maximum likelihood of q minus the per-step control variate); ``ctl_no_second_term`` and DPG have exactly
@@ -19,7 +19,7 @@ from trl_ext import testing as kit
 from trl_ext.losses import get_loss
 from trl_ext.models import ModulatedCausalLM
 from trl_ext.rollout import forward_response
-from trl_ext.trainers.proposal.twist_step import (
+from trl_ext.trainers.twist.twist_step import (
     TwistLossOutput,
     twist_loss,
     twist_loss_requirements,

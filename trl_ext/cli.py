@@ -494,6 +494,19 @@ def train_and_save(trainer, training_args, plot: bool = False) -> None:
         write_training_curves(trainer.state.log_history, training_args.output_dir)
 
 
+def fit(trainer_cls, training_args, *, what: str, plot: bool = False, saved: str = "policy", note: str = "", **kwargs):
+    """The end of the training recipes: build ``trainer_cls(args=training_args, **kwargs)``, train and save it
+    (:func:`train_and_save`), print one line (``Trained N <what> steps<note> on <processes>; <saved> saved to
+    <output_dir>``) and return the trainer."""
+    trainer = trainer_cls(args=training_args, **kwargs)
+    train_and_save(trainer, training_args, plot=plot)
+    trainer.accelerator.print(
+        f"Trained {trainer.state.global_step} {what} steps{note} on {processes_text(trainer)}; {saved} saved to "
+        f"{training_args.output_dir}"
+    )
+    return trainer
+
+
 def write_training_curves(log_history, output_dir: str) -> str | None:
     """``<output_dir>/training_curves.png`` of ``log_history`` (:func:`trl_ext.plot_log_history`); its path, or
     ``None`` with a warning when the log holds none of the curves (the trained model is saved either way)."""

@@ -17,7 +17,7 @@ import torch
 
 from ..ops.stats import masked_mean, masked_sum
 
-__all__ = ["LossOutput", "Aggregation", "AGGREGATIONS", "aggregate", "check_same_shape"]
+__all__ = ["LossOutput", "Aggregation", "AGGREGATIONS", "aggregate", "check_same_shape", "second_normalizer"]
 
 Aggregation = Literal["seq-mean-token-mean", "seq-mean-token-sum", "token-mean"]
 AGGREGATIONS: tuple[str, ...] = ("seq-mean-token-mean", "seq-mean-token-sum", "token-mean")
@@ -78,6 +78,20 @@ def aggregate(
             return total / normalizer
         return total / mask.sum().clamp_min(1)
     raise ValueError(f"Unknown aggregation {mode!r}; choose one of {', '.join(AGGREGATIONS)}.")
+
+
+def second_normalizer(aggregation: str, normalizer, second, what: str):
+    """The normalizer of a loss's second sample set (RePULSe's q-samples, SIXO's base samples): ``second`` when
+    given, else ``normalizer``. With ``token-mean`` and a ``normalizer`` the second set's own token count is
+    required: the two sets have different token counts, so sharing the first one's would mis-scale the term."""
+    if second is not None:
+        return second
+    if aggregation == "token-mean" and normalizer is not None:
+        raise ValueError(
+            f"With aggregation='token-mean' and a `normalizer`, also pass `{what}` (the global token count of the "
+            "second sample set): the two sample sets have different token counts."
+        )
+    return normalizer
 
 
 def check_same_shape(**tensors: torch.Tensor | None) -> None:

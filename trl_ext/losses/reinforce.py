@@ -24,6 +24,7 @@ from .base import (
     check_sequence_shape,
     check_token_shape,
     is_flat_batch,
+    second_normalizer,
     zero_masked,
 )
 from .registry import register_loss
@@ -125,15 +126,12 @@ def _neg_weights(neg_weights: torch.Tensor, neg_mask: torch.Tensor) -> torch.Ten
     return w.to(torch.promote_types(w.dtype, torch.float32))
 
 
-def _neg_normalizer(aggregation: str, normalizer, neg_normalizer):
-    if neg_normalizer is not None:
-        return neg_normalizer
-    if aggregation == "token-mean" and normalizer is not None:
-        raise ValueError(
-            "With aggregation='token-mean' and a `normalizer`, pass `neg_normalizer` (the q-samples' global token "
-            "count) too: the p- and q-samples have different token counts."
-        )
-    return normalizer
+def _p_term(logprobs, rewards, mask, baseline, baseline_value, other_rewards, aggregation, normalizer) -> LossOutput:
+    """The p-samples' REINFORCE term of the RePULSe p-losses."""
+    return reinforce_loss(
+        logprobs, rewards, mask, baseline=baseline, baseline_value=baseline_value, other_rewards=other_rewards,
+        aggregation=aggregation, normalizer=normalizer,
+    )  # fmt: skip
 
 
 @register_loss("neg_training", kind="harmlessness")
@@ -187,16 +185,7 @@ def neg_training_loss(
     (``mean_P Σ_i w̃_i·masked_mean_t log p_θ(s̃_i)``), ``neg_logprob_mean``, ``neg_weight_ess``, ``neg_weight_max``,
     ``neg_active_frac`` (prompts with non-zero weights), plus the REINFORCE metrics.
     """
-    rl = reinforce_loss(
-        logprobs,
-        rewards,
-        mask,
-        baseline=baseline,
-        baseline_value=baseline_value,
-        other_rewards=other_rewards,
-        aggregation=aggregation,
-        normalizer=normalizer,
-    )
+    rl = _p_term(logprobs, rewards, mask, baseline, baseline_value, other_rewards, aggregation, normalizer)
     neg = push_down_loss(
         neg_logprobs,
         neg_weights,
@@ -204,7 +193,7 @@ def neg_training_loss(
         alpha=alpha,
         alpha_convention=alpha_convention,
         aggregation=aggregation,
-        normalizer=_neg_normalizer(aggregation, normalizer, neg_normalizer),
+        normalizer=second_normalizer(aggregation, normalizer, neg_normalizer, "neg_normalizer"),
     )
     metrics = {"reinforce_loss": rl.loss.detach(), **neg.metrics, **rl.metrics}
     return LossOutput(rl.loss + neg.loss, metrics)
@@ -275,15 +264,15 @@ def neg_reinforce_loss(
     *,
     alpha: float,
     alpha_convention: str = "reference",
-    baseline: str | None = "rloo",
-    baseline_value: float | torch.Tensor = 0.0,
-    other_rewards: torch.Tensor | None = None,
     neg_baseline: str | None = "other_expectation",
     neg_baseline_value: float | torch.Tensor = 0.0,
     neg_other_rewards: torch.Tensor | None = None,
     aggregation: str = "seq-mean-token-mean",
     normalizer: float | torch.Tensor | None = None,
     neg_normalizer: float | torch.Tensor | None = None,
+    baseline: str | None = "rloo",
+    baseline_value: float | torch.Tensor = 0.0,
+    other_rewards: torch.Tensor | None = None,
 ) -> LossOutput:
     """REINFORCE on the p-samples plus a σ-weighted REINFORCE on the q-samples (``neg_reinforce``).
 
@@ -319,16 +308,7 @@ def neg_reinforce_loss(
     check_token_shape(neg_logprobs, "neg_logprobs", neg_mask)
     w = as_grouped(_neg_weights(neg_weights, neg_mask), "neg_weights", 2, flat)
     c = _neg_scale(alpha, alpha_convention, neg_mask.shape[-2])
-    rl = reinforce_loss(
-        logprobs,
-        rewards,
-        mask,
-        baseline=baseline,
-        baseline_value=baseline_value,
-        other_rewards=other_rewards,
-        aggregation=aggregation,
-        normalizer=normalizer,
-    )
+    rl = _p_term(logprobs, rewards, mask, baseline, baseline_value, other_rewards, aggregation, normalizer)
     if neg_other_rewards is None and neg_baseline == "other_expectation":
         neg_other_rewards = rewards
     per_token, nm, adv, b = _reinforce_terms(
@@ -340,7 +320,9 @@ def neg_reinforce_loss(
         other_rewards=neg_other_rewards,
         seq_weights=c * w,
     )
-    neg = aggregate(per_token, nm, aggregation, _neg_normalizer(aggregation, normalizer, neg_normalizer))
+    neg = aggregate(
+        per_token, nm, aggregation, second_normalizer(aggregation, normalizer, neg_normalizer, "neg_normalizer")
+    )
     metrics = {
         "reinforce_loss": rl.loss,
         "neg_loss": neg,

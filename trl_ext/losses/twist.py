@@ -28,6 +28,7 @@ from .base import (
     check_sequence_shape,
     check_token_shape,
     is_flat_batch,
+    second_normalizer,
     zero_masked,
 )
 from .ppo import clipped_value_loss
@@ -122,14 +123,6 @@ def ctl_no_second_term_loss(
     )
 
 
-def _other_normalizer(aggregation: str, normalizer, other, what: str):
-    if other is not None:
-        return other
-    if aggregation == "token-mean" and normalizer is not None:
-        raise ValueError(f"With aggregation='token-mean' and a `normalizer`, also pass `{what}` (its token count).")
-    return normalizer
-
-
 @register_loss("sixo", kind="twist")
 def sixo_loss(
     v: torch.Tensor,
@@ -183,7 +176,7 @@ def sixo_loss(
         bm = as_grouped(base_mask, "base_mask", 3, flat_b)
         bv = zero_masked(as_grouped(base_v, "base_v", 3, flat_b), bm != 0)
         n = v3.shape[-2]
-        neg_norm = _other_normalizer(aggregation, normalizer, base_normalizer, "base_normalizer")
+        neg_norm = second_normalizer(aggregation, normalizer, base_normalizer, "base_normalizer")
         neg = aggregate(F.logsigmoid(-bv) / n, bm, aggregation, neg_norm)
     metrics = {**_weight_metrics(w), "pos_term": pos, "neg_term": neg}
     return LossOutput(-(pos + neg), metrics)

@@ -86,20 +86,11 @@ def main(script_args: DPOScriptArguments, training_args: DPOConfig, model_args: 
     )
     train_dataset, eval_dataset = load_datasets(script_args, training_args, policy, tokenizer)
 
-    trainer = DPOTrainer(
-        model=policy,
-        ref_model=ref_model,
-        args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-    )
-    cli.train_and_save(trainer, training_args, plot=script_args.plot)
-    trainer.accelerator.print(
-        f"Trained {trainer.state.global_step} DPO steps (extra loss: {training_args.extra_loss}) on "
-        f"{cli.processes_text(trainer)}; policy saved to {training_args.output_dir}"
-    )
+    cli.fit(
+        DPOTrainer, training_args, what="DPO", note=f" (extra loss: {training_args.extra_loss})",
+        plot=script_args.plot, model=policy, ref_model=ref_model, train_dataset=train_dataset,
+        eval_dataset=eval_dataset, processing_class=tokenizer, peft_config=peft_config,
+    )  # fmt: skip
 
 
 def make_parser():

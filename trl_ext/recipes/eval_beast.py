@@ -37,14 +37,7 @@ class BeastArguments:
 
 def main(args: attack_cli.AttackScriptArguments, beast_args: BeastArguments) -> dict:
     """Load the model, the goals and the reward, run the evaluation, write and return the report."""
-    behaviors = attack_cli.load_behaviors(args)
-    model, tokenizer = attack_cli.load_model_and_tokenizer(args)
-    reward = attack_cli.load_reward(args, tokenizer)
-    report = eval_beast(
-        model, tokenizer, behaviors, reward=reward, **attack_cli.eval_kwargs(args, "beast"), **vars(beast_args)
-    )
-    print(attack_cli.summary(report))
-    return report
+    return attack_cli.run_attack_recipe(eval_beast, "beast", args, beast_args)
 
 
 def make_parser():

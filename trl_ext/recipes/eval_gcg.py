@@ -41,14 +41,7 @@ class GCGArguments:
 
 def main(args: attack_cli.AttackScriptArguments, gcg_args: GCGArguments) -> dict:
     """Load the model, the goals and the reward, run the evaluation, write and return the report."""
-    behaviors = attack_cli.load_behaviors(args)
-    model, tokenizer = attack_cli.load_model_and_tokenizer(args)
-    reward = attack_cli.load_reward(args, tokenizer)
-    report = eval_gcg(
-        model, tokenizer, behaviors, reward=reward, **attack_cli.eval_kwargs(args, "gcg"), **vars(gcg_args)
-    )
-    print(attack_cli.summary(report))
-    return report
+    return attack_cli.run_attack_recipe(eval_gcg, "gcg", args, gcg_args)
 
 
 def make_parser():

@@ -78,20 +78,11 @@ def main(script_args: KTOScriptArguments, training_args: KTOConfig, model_args: 
     )
     train_dataset, eval_dataset = load_datasets(script_args, training_args, tokenizer)
 
-    trainer = KTOTrainer(
-        model=policy,
-        ref_model=ref_model,
-        args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-    )
-    cli.train_and_save(trainer, training_args, plot=script_args.plot)
-    trainer.accelerator.print(
-        f"Trained {trainer.state.global_step} KTO steps (extra loss: {training_args.extra_loss}) on "
-        f"{cli.processes_text(trainer)}; policy saved to {training_args.output_dir}"
-    )
+    cli.fit(
+        KTOTrainer, training_args, what="KTO", note=f" (extra loss: {training_args.extra_loss})",
+        plot=script_args.plot, model=policy, ref_model=ref_model, train_dataset=train_dataset,
+        eval_dataset=eval_dataset, processing_class=tokenizer, peft_config=peft_config,
+    )  # fmt: skip
 
 
 def make_parser():

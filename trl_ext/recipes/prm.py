@@ -63,19 +63,10 @@ def main(script_args: cli.DatasetScriptArguments, training_args: PRMConfig, mode
     if peft_config is not None:
         peft_config.task_type = "CAUSAL_LM" if lm_mode else "TOKEN_CLS"
     train_dataset, eval_dataset = cli.train_and_eval_splits(script_args, training_args, tokenizer)
-    trainer = PRMTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-    )
-    cli.train_and_save(trainer, training_args, plot=script_args.plot)
-    trainer.accelerator.print(
-        f"Trained {trainer.state.global_step} PRM steps on {cli.processes_text(trainer)}; model saved to "
-        f"{training_args.output_dir}"
-    )
+    cli.fit(
+        PRMTrainer, training_args, what="PRM", saved="model", plot=script_args.plot, model=model,
+        train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=tokenizer, peft_config=peft_config,
+    )  # fmt: skip
 
 
 def make_parser():

@@ -77,19 +77,10 @@ def main(script_args: cli.DatasetScriptArguments, training_args: RewardConfig, m
         logger.warning(f"Reward recipe: LoRA task type {peft_config.task_type} -> SEQ_CLS (trains the score head).")
         peft_config.task_type = "SEQ_CLS"
     train_dataset, eval_dataset = cli.train_and_eval_splits(script_args, training_args, tokenizer)
-    trainer = RewardTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-    )
-    cli.train_and_save(trainer, training_args, plot=script_args.plot)
-    trainer.accelerator.print(
-        f"Trained {trainer.state.global_step} reward-model steps on {cli.processes_text(trainer)}; model saved to "
-        f"{training_args.output_dir}"
-    )
+    cli.fit(
+        RewardTrainer, training_args, what="reward-model", saved="model", plot=script_args.plot, model=model,
+        train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=tokenizer, peft_config=peft_config,
+    )  # fmt: skip
 
 
 def make_parser():

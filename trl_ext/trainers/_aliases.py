@@ -36,7 +36,7 @@ MOVED_MODULES: dict[str, str] = {
     "trl_ext.trainers.proposal_config": "trl_ext.trainers.proposal.proposal_config",
     "trl_ext.trainers.proposal_trainer": "trl_ext.trainers.proposal.proposal_trainer",
     "trl_ext.trainers.proposal_metrics": "trl_ext.trainers.proposal.metrics",
-    "trl_ext.trainers.twist_step": "trl_ext.trainers.proposal.twist_step",
+    "trl_ext.trainers.twist_step": "trl_ext.trainers.twist.twist_step",
     "trl_ext.trainers.harmlessness_config": "trl_ext.trainers.harmlessness.harmlessness_config",
     "trl_ext.trainers.harmlessness_trainer": "trl_ext.trainers.harmlessness.harmlessness_trainer",
     "trl_ext.trainers.harmlessness_io": "trl_ext.trainers.harmlessness.io",
@@ -50,6 +50,7 @@ MOVED_MODULES: dict[str, str] = {
     "trl_ext.trainers.common.kl_control": "trl_ext.ops.kl_control",
     "trl_ext.trainers.common.reward_norm": "trl_ext.ops.reward_norm",
     "trl_ext.trainers.common.resume_config": "trl_ext.trainers.common.resume",
+    "trl_ext.trainers.proposal.twist_step": "trl_ext.trainers.twist.twist_step",
 }
 
 

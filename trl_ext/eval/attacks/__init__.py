@@ -29,8 +29,10 @@ from .common import (
     target_logprobs,
 )
 from .gcg import eval_gcg, gcg_attack
+from .options import AttackEvalOptions
 
 __all__ = [
+    "AttackEvalOptions",
     "REFUSAL_SUBSTRINGS",
     "SCENARIOS",
     "SUCCESS_CRITERIA",

@@ -47,6 +47,7 @@ from .common import (
     suffix_target_losses,
     target_token_ids,
 )
+from .options import AttackEvalOptions, resolve_eval_options
 
 __all__ = ["BeastResult", "beast_attack", "eval_beast", "sample_distinct_tokens", "top_p_filter"]
 
@@ -206,14 +207,8 @@ def eval_beast(
     tokenizer,
     behaviors,
     *,
-    scenario: str = "behaviors",
     reward=None,
-    success_criterion: str = "prefix",
-    threshold: float = -4.0,
-    samples_per_prompt: int = 100,
-    max_new_tokens: int = 20,
-    temperature: float = 1.0,
-    top_k: int | None = None,
+    options: AttackEvalOptions | None = None,
     beam_width: int = 15,
     candidates: int = 15,
     suffix_length: int = 40,
@@ -221,11 +216,9 @@ def eval_beast(
     attack_temperature: float = 1.0,
     attack_top_p: float = 1.0,
     batch_size: int = 64,
-    seed: int = 0,
-    exclude_adv_suffix: bool = False,
-    generation_batch_size: int = 64,
     output_path: str | os.PathLike | None = None,
     show_progress: bool = True,
+    **eval_options,
 ) -> dict:
     """Attack every (goal, target) with :func:`beast_attack` and measure jailbreaks before and after.
 
@@ -233,25 +226,31 @@ def eval_beast(
     ASR with Wilson intervals, target log-probs), with BEAST's options instead of GCG's: ``beam_width`` (k1),
     ``candidates`` (k2), ``suffix_length``, ``tokens_per_step``, ``attack_temperature`` / ``attack_top_p`` (how suffix
     tokens are sampled; ``temperature`` / ``top_k`` are those of the evaluated responses) and ``batch_size``
-    (candidates per forward pass). Goal ``i`` uses seed ``seed + i``.
+    (candidates per forward pass). ``options`` (:class:`~trl_ext.eval.attacks.options.AttackEvalOptions`, or
+    keywords of its fields' names) are the evaluation's; goal ``i`` uses seed ``seed + i``.
     """
-    options = {
+    evaluation = resolve_eval_options(options, eval_options)
+    attack_options = {
         "beam_width": beam_width, "candidates": candidates, "suffix_length": suffix_length,
         "tokens_per_step": tokens_per_step, "temperature": attack_temperature, "top_p": attack_top_p,
         "batch_size": batch_size,
     }  # fmt: skip
-    _check_options(**options)  # fail before the first goal is attacked
+    _check_options(**attack_options)  # fail before the first goal is attacked
 
     def attack(goal: str, target: str, prompt: AttackPrompt, goal_seed: int) -> BeastResult:
         return beast_attack(
-            model, tokenizer, goal, target, **options, seed=goal_seed, show_progress=show_progress, prompt=prompt
+            model,
+            tokenizer,
+            goal,
+            target,
+            **attack_options,
+            seed=goal_seed,
+            show_progress=show_progress,
+            prompt=prompt,
         )
 
     return run_attack_evaluation(
-        model, tokenizer, behaviors, attack,
-        attack_name="beast", attack_config={**options, "loss": "mean NLL per target token"}, scenario=scenario,
-        reward=reward, success_criterion=success_criterion, threshold=threshold,
-        samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-        top_k=top_k, seed=seed, exclude_adv_suffix=exclude_adv_suffix, generation_batch_size=generation_batch_size,
-        output_path=output_path, show_progress=show_progress,
+        model, tokenizer, behaviors, attack, attack_name="beast",
+        attack_config={**attack_options, "loss": "mean NLL per target token"}, options=evaluation,
+        reward=reward, output_path=output_path, show_progress=show_progress,
     )  # fmt: skip

@@ -23,7 +23,6 @@ original silently used ``top_k=50`` — B13) recorded in the report.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -38,11 +37,11 @@ from ...rollout import RolloutReward, SamplingSettings, forward_response, genera
 from ...utils import eval_mode
 from ..report import write_json_report
 from .data import load_advbench_goals, load_behaviors_csv, normalize_behaviors
+from .options import AttackEvalOptions, resolve_eval_options
 from .rules import (
     REFUSAL_SUBSTRINGS,
     SCENARIOS,
     SUCCESS_CRITERIA,
-    _check_choice,
     attack_success_rate,
     is_refusal,
     jailbroken_by_prefix,
@@ -51,6 +50,7 @@ from .rules import (
 )
 
 __all__ = [
+    "AttackEvalOptions",
     "REFUSAL_SUBSTRINGS",
     "SCENARIOS",
     "SUCCESS_CRITERIA",
@@ -294,41 +294,10 @@ class AttackResult:
     seconds: float = 0.0
 
 
-def check_eval_options(
-    *,
-    scenario: str,
-    reward,
-    success_criterion: str,
-    threshold: float,
-    samples_per_prompt: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    exclude_adv_suffix: bool,
-    generation_batch_size: int,
-) -> None:
-    """Raise a ``ValueError`` naming what to change when the evaluation options cannot work together."""
-    _check_choice("scenario", scenario, SCENARIOS)
-    _check_choice("success_criterion", success_criterion, SUCCESS_CRITERIA)
-    if success_criterion == "reward" and reward is None:
-        raise ValueError(
-            "success_criterion='reward' needs a reward: pass reward= (or use success_criterion='prefix')."
-        )
-    if exclude_adv_suffix and reward is None:
-        raise ValueError("exclude_adv_suffix=True only changes reward scoring: pass reward= or drop the flag.")
-    if not math.isfinite(threshold):
-        raise ValueError(f"threshold must be a finite number; got {threshold}.")
-    for name, value in (
-        ("samples_per_prompt", samples_per_prompt),
-        ("max_new_tokens", max_new_tokens),
-        ("generation_batch_size", generation_batch_size),
-    ):
-        if int(value) < 1:
-            raise ValueError(f"{name} must be >= 1; got {value}.")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0 to sample; got {temperature}.")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be None (off) or >= 1; got {top_k}.")
+def check_eval_options(*, reward=None, **options) -> None:
+    """Raise a ``ValueError`` naming what to change when the evaluation options (the fields of
+    :class:`~trl_ext.eval.attacks.options.AttackEvalOptions`, as keywords) cannot work with ``reward``."""
+    AttackEvalOptions(**options).check(reward)
 
 
 def _describe(obj) -> str | None:
@@ -350,24 +319,18 @@ def run_attack_evaluation(
     *,
     attack_name: str,
     attack_config: dict,
-    scenario: str = "behaviors",
+    options: AttackEvalOptions | None = None,
     reward=None,
-    success_criterion: str = "prefix",
-    threshold: float = -4.0,
-    samples_per_prompt: int = 100,
-    max_new_tokens: int = 20,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    seed: int = 0,
-    exclude_adv_suffix: bool = False,
-    generation_batch_size: int = 64,
     output_path: str | os.PathLike | None = None,
     show_progress: bool = True,
+    **eval_options,
 ) -> dict:
     """Attack every goal, sample before and after, and build (and optionally write) the report.
 
     ``attack(goal, target, prompt, seed)`` returns an :class:`AttackResult` for one goal. Goal ``i`` uses seed
     ``seed + i`` for its attack and its sampling (the caller's torch RNG state is restored after sampling).
+    ``options``: how the evaluation samples and decides success (:class:`AttackEvalOptions`; keywords of the same
+    names override its fields).
 
     Returns:
         the report: ``attack``, ``config``, ``num_goals``, ``asr`` (``before``/``after``: rate, successes, trials,
@@ -375,11 +338,16 @@ def run_attack_evaluation(
         target, suffix (text and ids), ``attack`` (best/initial/final loss, steps, loss history, seconds),
         ``target_logprobs`` before/after, and ``before``/``after`` sample summaries (:func:`summarize_samples`).
     """
-    check_eval_options(
-        scenario=scenario, reward=reward, success_criterion=success_criterion, threshold=threshold,
-        samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-        top_k=top_k, exclude_adv_suffix=exclude_adv_suffix, generation_batch_size=generation_batch_size,
-    )  # fmt: skip
+    opts = resolve_eval_options(options, eval_options)
+    opts.check(reward)
+    scenario, success_criterion, threshold, seed = opts.scenario, opts.success_criterion, opts.threshold, opts.seed
+    samples_per_prompt, max_new_tokens, temperature, top_k = (
+        opts.samples_per_prompt,
+        opts.max_new_tokens,
+        opts.temperature,
+        opts.top_k,
+    )
+    exclude_adv_suffix, generation_batch_size = opts.exclude_adv_suffix, opts.generation_batch_size
     pairs = normalize_behaviors(behaviors, scenario)
     scorer = RolloutReward(reward, tokenizer) if reward is not None else None
     stops = stop_token_ids(model, tokenizer)

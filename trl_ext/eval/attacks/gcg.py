@@ -42,6 +42,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .common import AttackPrompt, AttackResult, eval_mode, model_device, run_attack_evaluation
+from .options import AttackEvalOptions, resolve_eval_options
 
 __all__ = ["eval_gcg", "gcg_attack", "gcg_config"]
 
@@ -234,25 +235,17 @@ def eval_gcg(
     tokenizer,
     behaviors,
     *,
-    scenario: str = "behaviors",
     reward=None,
-    success_criterion: str = "prefix",
-    threshold: float = -4.0,
-    samples_per_prompt: int = 100,
-    max_new_tokens: int = 20,
-    temperature: float = 1.0,
-    top_k: int | None = None,
+    options: AttackEvalOptions | None = None,
     num_steps: int = 250,
     search_width: int = 512,
     topk: int = 256,
     batch_size: int | None = None,
     n_replace: int = 1,
     optim_str_init: str = "x x x x x x x x x x",
-    seed: int = 0,
-    exclude_adv_suffix: bool = False,
-    generation_batch_size: int = 64,
     output_path: str | os.PathLike | None = None,
     show_progress: bool = True,
+    **eval_options,
 ) -> dict:
     """Attack every (goal, target) with GCG and measure jailbreaks before and after (the RePULSe GCG evaluation).
 
@@ -266,37 +259,35 @@ def eval_gcg(
     Args:
         behaviors: ``[{"goal", "target"}, ...]`` (e.g. :func:`~trl_ext.eval.attacks.load_behaviors_csv`),
             ``(goal, target)`` pairs, or target strings in the ``"strings"`` scenario.
-        scenario: ``"behaviors"`` (user message = goal + suffix) or ``"strings"`` (user message = suffix only).
-        exclude_adv_suffix: score ``goal + response`` without the suffix (needs a reward).
+        options: the evaluation's options (:class:`~trl_ext.eval.attacks.options.AttackEvalOptions`: scenario,
+            success rule, sampling, seed — goal ``i`` uses ``seed + i`` for GCG and for sampling); keywords of the
+            same names (``eval_options``, e.g. ``samples_per_prompt=20``) override its fields.
         num_steps, search_width, topk, batch_size, n_replace, optim_str_init: GCG's options (``batch_size=None``:
             all candidates in one forward pass).
-        generation_batch_size: rows per ``generate`` call and per reward pass.
-        seed: goal ``i`` uses ``seed + i`` for GCG and for sampling.
         output_path: write the report there as JSON (atomic).
         show_progress: progress bars over goals and GCG steps.
 
     Returns:
         the report (see :func:`~trl_ext.eval.attacks.common.run_attack_evaluation`), ``attack="gcg"``.
     """
-    options = {
+    evaluation = resolve_eval_options(options, eval_options)
+    attack_options = {
         "num_steps": num_steps, "search_width": search_width, "topk": topk, "batch_size": batch_size,
         "n_replace": n_replace, "optim_str_init": optim_str_init,
     }  # fmt: skip
-    gcg_config(**options, seed=seed)  # fail early on bad options or a missing nanogcg
+    gcg_config(**attack_options, seed=evaluation.seed)  # fail early on bad options or a missing nanogcg
 
     def attack(goal: str, target: str, prompt: AttackPrompt, goal_seed: int) -> AttackResult:
-        return gcg_attack(model, tokenizer, goal, target, **options, seed=goal_seed, show_progress=show_progress)
+        return gcg_attack(
+            model, tokenizer, goal, target, **attack_options, seed=goal_seed, show_progress=show_progress
+        )
 
     reported = {
-        **options, "buffer_size": 0, "use_mellowmax": False, "early_stop": False, "use_prefix_cache": False,
+        **attack_options, "buffer_size": 0, "use_mellowmax": False, "early_stop": False, "use_prefix_cache": False,
         "allow_non_ascii": False, "filter_ids": True, "add_space_before_target": False,
         "special_tokens_banned": True, "implementation": "nanogcg",
     }  # fmt: skip
     return run_attack_evaluation(
-        model, tokenizer, behaviors, attack,
-        attack_name="gcg", attack_config=reported, scenario=scenario, reward=reward,
-        success_criterion=success_criterion, threshold=threshold, samples_per_prompt=samples_per_prompt,
-        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
-        exclude_adv_suffix=exclude_adv_suffix, generation_batch_size=generation_batch_size,
-        output_path=output_path, show_progress=show_progress,
+        model, tokenizer, behaviors, attack, attack_name="gcg", attack_config=reported, options=evaluation,
+        reward=reward, output_path=output_path, show_progress=show_progress,
     )  # fmt: skip

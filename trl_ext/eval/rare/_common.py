@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -11,9 +12,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .distributions import InputDistribution
-from .target import check_model_inputs
+from .target import SCORES, check_model_inputs
 
-__all__ = ["PhaseTimer", "check_common", "make_generator", "progress"]
+__all__ = ["PhaseTimer", "check_common", "check_tilt", "make_generator", "progress", "seeded_generator"]
 
 
 def make_generator(generator: torch.Generator | None, seed: int) -> torch.Generator:
@@ -23,6 +24,20 @@ def make_generator(generator: torch.Generator | None, seed: int) -> torch.Genera
             raise ValueError("Pass a CPU torch.Generator: inputs are sampled on the CPU, then moved to the model.")
         return generator
     return torch.Generator().manual_seed(int(seed))
+
+
+def seeded_generator(generator: torch.Generator | None, seed: int) -> tuple[torch.Generator, int | None]:
+    """``(generator, seed)`` for an estimator's report: :func:`make_generator`'s generator, and ``seed`` when it seeded
+    a new one (``None`` when the caller passed its own generator, whose seed is not known here)."""
+    return make_generator(generator, seed), (seed if generator is None else None)
+
+
+def check_tilt(temperature: float, score: str) -> None:
+    """The options of the gradient-tilted estimators (ITGIS, MHIS): ``temperature > 0`` and a known ``score``."""
+    if not temperature > 0 or not math.isfinite(temperature):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature}.")
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {SCORES}, got {score!r}.")
 
 
 def progress(total: int, desc: str, show: bool) -> tqdm:

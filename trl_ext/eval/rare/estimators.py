@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ._common import PhaseTimer, check_common, make_generator, progress
+from ._common import PhaseTimer, check_common, progress, seeded_generator
 from .distributions import InputDistribution
 from .estimate import Estimate, log_space_mean, term_diagnostics, term_reasons
 from .target import target_logprob
@@ -108,8 +108,7 @@ def brute_force(
         show_progress: show a progress bar.
     """
     target_ids = check_common(model, dist, target_ids, batch_size, num_samples)
-    seeded = generator is None
-    generator = make_generator(generator, seed)
+    generator, used_seed = seeded_generator(generator, seed)
     timer, logps = PhaseTimer(), []
     with progress(num_samples, "brute force", show_progress) as bar:
         done = 0
@@ -132,7 +131,7 @@ def brute_force(
         log10_estimate=log_mean / _LOG10,
         seconds=timer.total,
         timings=timer.seconds,
-        details={"max_log10_p": float(logps.max()) / _LOG10, "seed": seed if seeded else None},
+        details={"max_log10_p": float(logps.max()) / _LOG10, "seed": used_seed},
         diagnostics=diagnostics,
     )
     return est.flag(term_reasons(diagnostics, num_samples, "hits"), logger)

@@ -39,10 +39,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ._common import PhaseTimer, check_common, make_generator, progress
+from ._common import PhaseTimer, check_common, check_tilt, progress, seeded_generator
 from .distributions import InputDistribution
 from .estimate import Estimate, effective_sample_size, log_space_mean, term_diagnostics, term_reasons
-from .target import SCORES, evaluate_inputs, token_scores
+from .target import evaluate_inputs, token_scores
 
 __all__ = ["importance_log_weights", "itgis", "itgis_temperature", "proposal_log_probs", "score_normaliser"]
 
@@ -133,14 +133,10 @@ def itgis(
         show_progress: show a progress bar.
     """
     target_ids = check_common(model, dist, target_ids, batch_size, num_samples)
-    if not temperature > 0 or not math.isfinite(temperature):
-        raise ValueError(f"temperature must be a positive finite number, got {temperature}.")
+    check_tilt(temperature, score)
     if not 0.0 <= decay_rate <= 1.0:
         raise ValueError(f"decay_rate must be in [0, 1], got {decay_rate}.")
-    if score not in SCORES:
-        raise ValueError(f"score must be one of {SCORES}, got {score!r}.")
-    seeded = generator is None
-    generator = make_generator(generator, seed)
+    generator, used_seed = seeded_generator(generator, seed)
     weight_matrix = model.get_input_embeddings().weight
     log_p = dist.log_probs
     scores = torch.zeros_like(log_p)
@@ -184,7 +180,7 @@ def itgis(
             "score": score,
             "iterations": iteration,
             "batch_size": batch_size,
-            "seed": seed if seeded else None,
+            "seed": used_seed,
             "max_abs_tilt": float((scores / itgis_temperature(iteration - 1, temperature, decay_rate)).abs().max()),
             "log10_weight_range": [float(log_weights.min()) / _LOG10, float(log_weights.max()) / _LOG10],
         },

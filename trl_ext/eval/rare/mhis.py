@@ -59,10 +59,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ._common import PhaseTimer, check_common, make_generator, progress
+from ._common import PhaseTimer, check_common, check_tilt, progress, seeded_generator
 from .distributions import InputDistribution
 from .estimate import MIN_CHAINS, Estimate, effective_sample_size, tail_reasons, term_diagnostics, term_reasons
-from .target import SCORES, evaluate_inputs, token_scores
+from .target import evaluate_inputs, token_scores
 
 __all__ = ["chain_ratio_estimate", "mh_log_acceptance", "mh_proposal_log_probs", "mhis"]
 
@@ -157,14 +157,10 @@ def mhis(
     num_chains = batch_size if num_chains is None else num_chains
     if not isinstance(num_chains, int) or num_chains < 2:
         raise ValueError(f"MHIS needs at least 2 chains (its standard error compares chains), got {num_chains!r}.")
-    if not temperature > 0 or not math.isfinite(temperature):
-        raise ValueError(f"temperature must be a positive finite number, got {temperature}.")
+    check_tilt(temperature, score)
     if not isinstance(burn_in, int) or burn_in < 0:
         raise ValueError(f"burn_in must be a non-negative int, got {burn_in!r}.")
-    if score not in SCORES:
-        raise ValueError(f"score must be one of {SCORES}, got {score!r}.")
-    seeded = generator is None
-    generator = make_generator(generator, seed)
+    generator, used_seed = seeded_generator(generator, seed)
     weight_matrix = model.get_input_embeddings().weight
     kept_steps = math.ceil(num_samples / num_chains)
     log_p, rows = dist.log_probs, torch.arange(num_chains)
@@ -277,7 +273,7 @@ def mhis(
             "kept_steps": kept_steps,
             "move_rate": move_rate,
             "burn_in_acceptance_rate": accepted[0] / (num_chains * burn_in) if burn_in else None,
-            "seed": seed if seeded else None,
+            "seed": used_seed,
             "chain_weight_ess": chain_ess,
             "chain_log10_estimates": [v / _LOG10 for v in per_chain],
         },

@@ -29,6 +29,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from .lifecycle import TrainLifecycle
+
 __all__ = ["CpuFsdpMixin", "cpu_fsdp_requested", "fsdp_on_cpu", "materialize_meta_parameters"]
 
 
@@ -85,7 +87,7 @@ def materialize_meta_parameters(model: nn.Module, device: torch.device | str | N
     return names
 
 
-class CpuFsdpMixin:
+class CpuFsdpMixin(TrainLifecycle):
     """Mixin for a `transformers.Trainer` subclass (before TRL's trainer in the bases): an FSDP2 launch on CPU
     processes really shards the model (:func:`fsdp_on_cpu`) instead of falling back on DDP, and under FSDP the
     weights a memory-saving load left on the meta device get storage before the optimizer is built
@@ -95,7 +97,7 @@ class CpuFsdpMixin:
         with fsdp_on_cpu():
             return super().create_accelerator_and_postprocess()
 
-    def train(self, *args, **kwargs):
+    def _before_train(self, resume_from_checkpoint):
         if getattr(self, "is_fsdp_enabled", False):
             materialize_meta_parameters(self.model)
-        return super().train(*args, **kwargs)
+        return resume_from_checkpoint

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.nn.utils import get_total_norm
 
+from .lifecycle import TrainLifecycle
 from .run_folder import explain_disk_full
 
 __all__ = [
@@ -130,7 +131,7 @@ def check_finite_weights(model: nn.Module | None = None, state_dict: dict | None
         )
 
 
-class FiniteStepsMixin:
+class FiniteStepsMixin(TrainLifecycle):
     """Trainer mixin (before the `transformers.Trainer` class in the bases): skip optimizer steps with a non-finite
     loss or gradient, stop after ``max_consecutive_skipped_steps`` in a row, refuse to save a non-finite model (see the
     module docs).
@@ -146,13 +147,14 @@ class FiniteStepsMixin:
     _taken_steps: int = 0
     _last_skip_reason: str | None = None
 
-    def train(self, *args, **kwargs):
-        """`Trainer.train`; raises a `RuntimeError` when every optimizer step of the run was skipped as non-finite
-        (:meth:`check_something_trained`)."""
+    def _before_train(self, resume_from_checkpoint):
         self._skipped_steps = self._taken_steps = 0
-        output = super().train(*args, **kwargs)
+        return resume_from_checkpoint
+
+    def _after_train(self) -> None:
+        """A `RuntimeError` when every optimizer step of the run was skipped as non-finite
+        (:meth:`check_something_trained`)."""
         self.check_something_trained()
-        return output
 
     def check_something_trained(self) -> None:
         """Raise a `RuntimeError` when optimizer steps were skipped as non-finite and none was taken: the run would
@@ -262,9 +264,9 @@ class FiniteStepsMixin:
         model = None if state_dict is not None else self.accelerator.unwrap_model(self.model)
         check_finite_weights(model, state_dict, what=f"{type(self).__name__}'s model")
 
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+    def _write_saved_model(self, output_dir: str | None, _internal_call: bool) -> None:
         """`Trainer.save_model` after :meth:`check_finite_weights` (a model with NaN/inf weights is not saved); a full
         disk is reported with the folder and its free space."""
         self.check_finite_weights()
         with explain_disk_full(output_dir if output_dir is not None else self.args.output_dir):
-            super().save_model(output_dir, _internal_call)
+            super()._write_saved_model(output_dir, _internal_call)

@@ -378,10 +378,11 @@ class OnlineTrainerMixin(
         loader = DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, collate_fn=collate_fn)
         return self.accelerator.prepare(loader)
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        """`Trainer.train`; ``resume_from_checkpoint=True`` picks the newest *complete* checkpoint whose files match
-        its manifest, and a checkpoint without RNG states is refused unless ``allow_rng_reset``
-        (:meth:`~trl_ext.trainers.common.resume.VerifiedResumeMixin.verified_resume_checkpoint`)."""
+    def _before_train(self, resume_from_checkpoint):
+        """Before `Trainer.train` (`trl_ext.trainers.common.lifecycle`): ``resume_from_checkpoint=True`` picks the
+        newest *complete* checkpoint whose files match its manifest, and a checkpoint without RNG states is refused
+        unless ``allow_rng_reset`` (`VerifiedResumeMixin.verified_resume_checkpoint`); then the sampling seeds, the
+        KL controller, the reward normaliser and the EMA start (fresh, or from the checkpoint)."""
         if not any(p.requires_grad for p in self.model.parameters()):
             raise ValueError(
                 "No trainable parameter: every weight of the trained model(s) has requires_grad=False (frozen before "
@@ -402,7 +403,7 @@ class OnlineTrainerMixin(
                 ckpt.load_reward_normalizer(self.reward_normalizer, resume_from_checkpoint)
         self._start_ema(resume_from_checkpoint)
         self._start_training(resume_from_checkpoint)
-        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        return resume_from_checkpoint
 
     # ---------------------------------------------------------------------------------- reward normalisation
     def _update_reward_normalizer(self, scores: torch.Tensor, dropped: torch.Tensor | None = None) -> None:
@@ -477,10 +478,10 @@ class OnlineTrainerMixin(
             self._write_models(output_dir, None)
 
     # ----------------------------------------------------------------------------------------------- saving
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Save the trained model(s) at ``output_dir`` in HF format (a PEFT model saves its adapter) with the
-        tokenizer and the training arguments (:meth:`_write_models`); outside checkpoints, also the model card, and
-        push with ``push_to_hub``.
+    def _write_saved_model(self, output_dir: str | None, _internal_call: bool) -> None:
+        """What `save_model` writes (`trl_ext.trainers.common.lifecycle`): the trained model(s) at ``output_dir`` in HF
+        format (a PEFT model saves its adapter) with the tokenizer and the training arguments (:meth:`_write_models`);
+        outside checkpoints, also the model card, and push with ``push_to_hub``.
 
         With ``ema_beta``, a checkpoint also holds the EMA (``ema.safetensors``); with ``save_ema_model`` every save
         that is not a checkpoint (the final model, the Hub upload) writes the EMA weights in place of the live ones

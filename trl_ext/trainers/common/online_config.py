@@ -4,9 +4,8 @@
   (`response_length`, `stop_token` / `stop_token_id`, `temperature`, `num_samples_per_prompt`, ...), the missing-EOS
   penalty, prompt tokenisation, TRL's defaults (activation checkpointing on; bf16 on only where a GPU is present)
   and the checks of those fields.
-- :class:`TwistTargetConfig` (base of `ProposalConfig` and `HarmlessnessConfig`): the twisted target
-  ``σ ∝ p·exp(β·R)`` a proposal is trained towards (`target_dist_beta`, `rm_type`, `reward_cap`,
-  `reward_threshold`), how the twist is read off the proposal (`parameterization`) and the loss reduction.
+  (`TwistTargetConfig`, the twisted target of the proposal and RePULSe configs, builds on it in
+  `trl_ext.trainers.twist`.)
 
 A subclass may redeclare a field to change its default (`PPOConfig` keeps TRL 1.12's `response_length=53`,
 `temperature=0.7`); it extends the checks by overriding `_validate` and calling ``super()._validate()`` first.
@@ -22,8 +21,7 @@ from typing import Literal
 
 from trl.trainer.base_config import _BaseConfig
 
-from ...losses import AGGREGATIONS
-from ...rewards import RM_TYPES
+from ..._deprecation import moved_names
 from ...rollout.finite import DEFAULT_MAX_ABS_REWARD, NONFINITE_REWARD_OPTIONS
 from .checkpointing_defaults import ActivationCheckpointingDefault
 from .finite import FiniteStepsArguments
@@ -31,11 +29,7 @@ from .precision import default_bf16_off_without_gpu
 from .resume import ResumeConfigMixin
 from .shared_docs import document_shared_options
 
-__all__ = [
-    "FROZEN_MODEL_PLACEMENTS",
-    "OnlineConfig",
-    "TwistTargetConfig",
-]
+__all__ = ["FROZEN_MODEL_PLACEMENTS", "OnlineConfig"]
 
 FROZEN_MODEL_PLACEMENTS = ("auto", "sharded", "replicated")
 """The values of ``frozen_models_placement`` (`trl_ext.trainers.common.frozen`)."""
@@ -107,21 +101,7 @@ class OnlineConfig(ActivationCheckpointingDefault, FiniteStepsArguments, ResumeC
             also under ZeRO-3: faster scoring, no all-gathers). Shard frozen models that do not fit replicated.
             `"sharded"` excludes `ref_offload` / `reward_offload`.
 
-        > Parameters that control the EMA of the weights
-
-        ema_beta (`float`, *optional*):
-            Keep an exponential moving average of the trained model's trainable weights (the policy; the proposal
-            for `ProposalTrainer`): `ema_0` = the initial weights, `ema_t = ema_beta * ema_{t-1} + (1 - ema_beta) *
-            theta_t` after every optimizer step, in fp32. Saved in checkpoints (`ema.safetensors`) and restored on
-            resume. Must be in (0, 1); `None` or `0`: off.
-        ema_offload (`bool`, *optional*, defaults to `False`):
-            Keep the EMA on the CPU instead of the model's device.
-        save_ema_model (`bool`, *optional*, defaults to `False`):
-            The final `save_model` (and the Hub upload) writes the EMA weights of the averaged model in place of
-            the live ones; checkpoints keep the live weights (and the EMA in `ema.safetensors`).
-        eval_with_ema (`bool`, *optional*, defaults to `False`):
-            `evaluate()` and the sample-completion tables use the EMA weights (swapped in, then swapped back).
-
+        {ema_options}
         {resume_options}
     > [!NOTE]
     > Defaults that differ from [`~transformers.TrainingArguments`]: `logging_steps=10`, activation checkpointing on,
@@ -423,120 +403,5 @@ class OnlineConfig(ActivationCheckpointingDefault, FiniteStepsArguments, ResumeC
             self._fail(f"{', '.join(options)} need(s) an EMA: set ema_beta in (0, 1), e.g. ema_beta=0.99.")
 
 
-@dataclass
-class TwistTargetConfig(OnlineConfig):
-    r"""
-    [`OnlineConfig`] plus the options of a proposal trained towards a twisted target ``σ ∝ p·exp(β·R)``, shared by
-    [`~trl_ext.ProposalConfig`] (``p`` is the frozen reference) and [`~trl_ext.HarmlessnessConfig`] (``p`` is the
-    policy being trained); see each of them for what the fields mean there.
-
-    Parameters:
-        parameterization (`str`, *optional*, defaults to `"policy_psi_q_p_s_t"`):
-            How the twist ``log ψ_t`` is read off the proposal ``q``.
-        loss_aggregation (`str`, *optional*, defaults to `"seq-mean-token-mean"`):
-            Reduction of per-token losses: `"seq-mean-token-mean"` (the original code's), `"seq-mean-token-sum"` or
-            `"token-mean"`.
-        target_dist_beta (`float`, *optional*, defaults to `-10.0`):
-            β of the target. With `rm_type="rlhf"` (higher reward = better), β < 0 puts it on low-reward outputs.
-        rm_type (`str`, *optional*, defaults to `"rlhf"`):
-            Raw score ``r`` → ``R``: `"rlhf"` (``min(r, reward_cap)``), `"indicator_below_threshold"` or
-            `"toxicity_class_logprob"`.
-        reward_cap (`float`, *optional*):
-            Upper cap of `"rlhf"` rewards (`None`: none).
-        reward_threshold (`float`, *optional*):
-            Threshold of `"indicator_below_threshold"`.
-        modulation_init_scale_divider (`float`, *optional*, defaults to `1.0`):
-            When the trainer builds a modulation (`modulation_*` parameterizations): its last layer starts as
-            ``xavier_normal / divider``.
-        modulation_init_head_from_base (`bool`, *optional*, defaults to `False`):
-            When the trainer builds a `model`/`linear_head` modulation: start its output layer from the base's LM
-            head (divided by the divider).
-    """
-
-    parameterization: str = field(
-        default="policy_psi_q_p_s_t",
-        metadata={
-            "help": "Twist parameterisation of the proposal: 'policy_psi_q_p_s_t' (log q - log p per token), "
-            "'policy_psi_q_p_s_1_to_t', 'policy_psi_unnorm', or a modulation: 'modulation_linear_head', "
-            "'modulation_nn_head' / 'modulation_mlp_head' (q ∝ p·exp(m), a head on p's final hidden state; in "
-            "HarmlessnessConfig p is the live policy, whose trunk forward q then shares) and, for ProposalTrainer "
-            "only, 'modulation_model'."
-        },
-    )
-    loss_aggregation: Literal["seq-mean-token-mean", "seq-mean-token-sum", "token-mean"] = field(
-        default="seq-mean-token-mean",
-        metadata={
-            "help": "Reduction of per-token losses: 'seq-mean-token-mean' (the original's), 'seq-mean-token-sum' or "
-            "'token-mean' (within each micro-step's rollout)."
-        },
-    )
-    target_dist_beta: float = field(
-        default=-10.0,
-        metadata={
-            "help": "beta of the target sigma ∝ p·exp(beta·R). With rm_type='rlhf' (higher = better), beta < 0 "
-            "targets low-reward (bad) outputs (RePULSe; the paper uses -1 ... -30), beta > 0 the high-reward ones, "
-            "beta = 0 gives sigma = p."
-        },
-    )
-    rm_type: str = field(
-        default="rlhf",
-        metadata={
-            "help": "Raw score -> R for the target: 'rlhf' (min(r, reward_cap)), 'indicator_below_threshold' "
-            "(log(1[r < reward_threshold] + 1e-16); needs beta > 0) or 'toxicity_class_logprob' (-softplus(r)). "
-            "HarmlessnessConfig maps only the proposal side with it; the policy's reward always uses 'rlhf'."
-        },
-    )
-    reward_cap: float | None = field(
-        default=None, metadata={"help": "Upper cap of R for rm_type='rlhf' (None: none)."}
-    )
-    reward_threshold: float | None = field(
-        default=None, metadata={"help": "Threshold of rm_type='indicator_below_threshold'."}
-    )
-    modulation_init_scale_divider: float = field(
-        default=1.0,
-        metadata={"help": "When the trainer builds the modulation: last layer starts as xavier_normal / divider."},
-    )
-    modulation_init_head_from_base: bool = field(
-        default=False,
-        metadata={"help": "When the trainer builds a model/linear_head modulation: start it from the base LM head."},
-    )
-
-    def _twist_loss_type(self) -> str | None:
-        """The name of the proposal's twist loss (``None``: no proposal is trained); subclasses say which field."""
-        return None
-
-    def _twist_uses_logprobs_only(self, loss: str) -> bool:
-        """Whether the twist loss ``loss`` with this ``parameterization`` reads only ``q``'s token log-probs (so it
-        may run padding-free); the subclasses that train a twist answer from the proposal trainer's twist step."""
-        return True
-
-    def _validate(self) -> None:
-        super()._validate()
-        self._check_choice("loss_aggregation", AGGREGATIONS)
-        self._check_choice("rm_type", RM_TYPES)
-        if not self.modulation_init_scale_divider > 0:
-            self._fail(f"modulation_init_scale_divider={self.modulation_init_scale_divider}: set a positive divider.")
-        if self.modulation_init_head_from_base and self.parameterization not in (
-            "modulation_model",
-            "modulation_linear_head",
-        ):
-            self._fail(
-                "modulation_init_head_from_base=True starts a Linear head on the base's final hidden state from the "
-                "base LM head, which only 'modulation_model' and 'modulation_linear_head' have; turn it off for "
-                f"parameterization={self.parameterization!r}."
-            )
-        from ...losses import available_losses
-
-        loss = self._twist_loss_type()
-        if self.padding_free and loss in available_losses("twist"):
-            if not self._twist_uses_logprobs_only(loss):
-                self._fail(
-                    f"padding_free=True needs a twist read from token log-probs alone; parameterization="
-                    f"{self.parameterization!r} with the twist loss {loss!r} needs the proposal's logits. Use "
-                    "parameterization='policy_psi_q_p_s_t' or 'policy_psi_q_p_s_1_to_t' (not with 'dpg'), or "
-                    "padding_free=False."
-                )
-        self._refuse_dropping_rewards(
-            "the twist losses weigh the samples of a prompt against each other (importance weights normalised over "
-            "its samples), so one sample cannot be taken out without changing the weights of the others"
-        )
+# TwistTargetConfig serves only the proposal and RePULSe trainers: it lives with twist learning now.
+__getattr__ = moved_names(__name__, {"TwistTargetConfig": "trl_ext.trainers.twist.twist_config"})

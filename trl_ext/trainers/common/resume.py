@@ -38,6 +38,7 @@ import zipfile
 from dataclasses import dataclass, field
 
 from .checkpoint import weight_files
+from .lifecycle import TrainLifecycle
 from .manifest import (
     MANIFEST_NAME,
     CheckpointIntegrityError,
@@ -247,16 +248,17 @@ def resolve_resume_checkpoint(resume_from_checkpoint: str | bool | None, output_
 # ------------------------------------------------------------------------------------------------ the trainer mixin
 
 
-class VerifiedResumeMixin:
+class VerifiedResumeMixin(TrainLifecycle):
     """Manifests on save, verification before resume (see the module docs)."""
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        """`Trainer.train`, resuming only from a checkpoint that verifies (:meth:`verified_resume_checkpoint`)."""
+    def _before_train(self, resume_from_checkpoint):
+        """Resume only from a checkpoint that verifies (:meth:`verified_resume_checkpoint`; once, when a hook before
+        this one has already checked it)."""
         verified = self.__dict__.pop("_verified_resume", None)
         if not (resume_from_checkpoint and resume_from_checkpoint == verified):  # not already checked by a subclass
             resume_from_checkpoint = self.verified_resume_checkpoint(resume_from_checkpoint)
             self.__dict__.pop("_verified_resume", None)
-        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        return resume_from_checkpoint
 
     def verified_resume_checkpoint(self, resume_from_checkpoint: str | bool | None) -> str | None:
         """The checkpoint to resume from (``None``: a fresh run), after checking its files against its manifest and

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 from transformers import TrainerCallback
 
+from .lifecycle import TrainLifecycle
+
 __all__ = [
     "PLOT_METRICS",
     "SUMMARY_METRICS",
@@ -243,7 +245,7 @@ def add_run_summary(trainer, unit: str = "step", steps_per_unit: int = 1) -> Non
         trainer.add_callback(RunSummaryCallback(type(trainer).__name__, unit, steps_per_unit))
 
 
-class RunSummaryMixin:
+class RunSummaryMixin(TrainLifecycle):
     """Trainer mixin (before TRL's trainer in the bases): `train()` prints the run summary at its end
     (:class:`RunSummaryCallback`). Set ``print_run_summary = False`` on the trainer to turn it off."""
 
@@ -253,9 +255,9 @@ class RunSummaryMixin:
         """``(name, optimizer steps)`` of one update in the summary's "seconds per ..." (one optimizer step here)."""
         return "step", 1
 
-    def train(self, *args, **kwargs):
+    def _before_train(self, resume_from_checkpoint):
         add_run_summary(self, *self.run_summary_unit())
-        return super().train(*args, **kwargs)
+        return resume_from_checkpoint
 
 
 # ------------------------------------------------------------------------------------------------ the curves

@@ -5,14 +5,23 @@ like its entries) where one goes, and the class decorator :func:`document_shared
 - ``{frozen_models_options}``: where PPO's, RePULSe's and the proposal trainer's frozen models are kept
   (:data:`FROZEN_MODELS_DOC`);
 - ``{resume_options}``: `ResumeConfigMixin`'s option, in every config that resumes (:data:`RESUME_DOC`);
-- ``{reward_options}``: the GRPO-style reward options of the online configs (:data:`REWARD_OPTIONS_DOC`).
+- ``{reward_options}``: the GRPO-style reward options of the online configs (:data:`REWARD_OPTIONS_DOC`);
+- ``{ema_options}``: the EMA options of the online configs (:data:`EMA_DOC`), naming the averaged model from the
+  config's ``_ema_model`` class attribute (``"policy"`` unless set: ``"proposal"`` for `ProposalConfig`).
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["FROZEN_MODELS_DOC", "RESUME_DOC", "REWARD_OPTIONS_DOC", "ROLLOUT_OPTIONS_DOC", "document_shared_options"]
+__all__ = [
+    "EMA_DOC",
+    "FROZEN_MODELS_DOC",
+    "RESUME_DOC",
+    "REWARD_OPTIONS_DOC",
+    "ROLLOUT_OPTIONS_DOC",
+    "document_shared_options",
+]
 
 ROLLOUT_OPTIONS_DOC = """\
         padding_free (`bool`, *optional*, defaults to `False`):
@@ -91,22 +100,42 @@ REWARD_OPTIONS_DOC = """\
             to different values is an error) and it reads `None` afterwards.
 """
 
+EMA_DOC = """\
+        > Parameters that control the EMA of the <model> (trl_ext additions)
+
+        ema_beta (`float`, *optional*):
+            Keep an exponential moving average of the <model>'s trainable weights (the adapters under PEFT):
+            `ema_0` = the initial weights, `ema_t = ema_beta * ema_{t-1} + (1 - ema_beta) * theta_t` after every
+            optimizer step, in fp32. Saved in checkpoints (`ema.safetensors`) and restored on resume. Must be in
+            (0, 1); `None` or `0`: off.
+        ema_offload (`bool`, *optional*, defaults to `False`):
+            Keep the EMA on the CPU instead of the model's device.
+        save_ema_model (`bool`, *optional*, defaults to `False`):
+            The final `save_model` (and the Hub upload) writes the <model>'s EMA weights in place of its live ones;
+            checkpoints keep the live weights (and the EMA in `ema.safetensors`).
+        eval_with_ema (`bool`, *optional*, defaults to `False`):
+            `evaluate()` and the sample-completion tables (where the trainer prints them) use the <model>'s EMA
+            weights (swapped in, then back).
+
+"""
+
 _SHARED_DOCS = {
     "rollout_options": ROLLOUT_OPTIONS_DOC,
     "frozen_models_options": FROZEN_MODELS_DOC,
     "resume_options": RESUME_DOC,
     "reward_options": REWARD_OPTIONS_DOC,
+    "ema_options": EMA_DOC,
 }
 
 
 def document_shared_options(cls):
-    """Class decorator: replace each line ``{rollout_options}``, ``{frozen_models_options}``, ``{resume_options}`` and
-    ``{reward_options}`` of ``cls.__doc__`` with :data:`ROLLOUT_OPTIONS_DOC`, :data:`FROZEN_MODELS_DOC`,
-    :data:`RESUME_DOC` and :data:`REWARD_OPTIONS_DOC`, so that options shared by several configs are documented
-    once."""
+    """Class decorator: replace each line ``{rollout_options}``, ``{frozen_models_options}``, ``{resume_options}``,
+    ``{reward_options}`` and ``{ema_options}`` of ``cls.__doc__`` with :data:`ROLLOUT_OPTIONS_DOC`,
+    :data:`FROZEN_MODELS_DOC`, :data:`RESUME_DOC`, :data:`REWARD_OPTIONS_DOC` and :data:`EMA_DOC`, so that options
+    shared by several configs are documented once."""
     doc = cls.__doc__ or ""
     for name, text in _SHARED_DOCS.items():
-        doc = doc.replace(f"        {{{name}}}\n", text)
+        doc = doc.replace(f"        {{{name}}}\n", text.replace("<model>", getattr(cls, "_ema_model", "policy")))
     left = re.findall(r"^ *\{(\w+_options)\}$", doc, re.M)
     if left:
         raise ValueError(f"{cls.__name__}'s docstring names unknown shared entries: {left}.")

@@ -153,7 +153,7 @@ def check_proposal_parameterization(config, loss_types: tuple[str, ...], fail) -
             f"proposal_loss_type={loss!r}: the proposal is trained towards the moving policy with one of "
             f"{', '.join(loss_types)} (SIXO's classifier twist is not offered here)."
         )
-    from ..proposal.twist_step import validate_twist_setup  # (not imported with the config)
+    from ..twist.twist_step import validate_twist_setup  # (not imported with the config)
 
     try:
         validate_twist_setup(p, loss)

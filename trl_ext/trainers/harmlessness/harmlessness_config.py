@@ -12,10 +12,10 @@ from ...ops.advantages import BASELINES
 from ...ops.kl import KL_ESTIMATORS
 from ...ops.kl_control import KLControlConfigMixin, kl_coef_field
 from ...rewards import REWARD_TRANSFORMS, RM_TYPES
-from ..common.online_config import TwistTargetConfig
 from ..common.ptx_config import PtxConfigMixin
 from ..common.shared_docs import document_shared_options
 from ..common.vllm_config import VLLMConfigMixin, document_vllm_options
+from ..twist.twist_config import TwistTargetConfig
 from .config_checks import (
     check_negative_sampler,
     check_proposal_parameterization,
@@ -242,21 +242,7 @@ class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, KLControlConfigMixin, 
             Raw-reward threshold of `save_negdata`, also the threshold of the logged `p_bad`.
 
         {frozen_models_options}
-        > Parameters that control the EMA of the policy (trl_ext additions)
-
-        ema_beta (`float`, *optional*):
-            Keep an exponential moving average of the policy's trainable weights (the adapters under PEFT):
-            `ema_0` = the initial weights, `ema_t = ema_beta * ema_{t-1} + (1 - ema_beta) * theta_t` after every
-            optimizer step, in fp32. Saved in checkpoints (`ema.safetensors`) and restored on resume. Must be in
-            (0, 1); `None` or `0`: off.
-        ema_offload (`bool`, *optional*, defaults to `False`):
-            Keep the EMA on the CPU instead of the model's device.
-        save_ema_model (`bool`, *optional*, defaults to `False`):
-            The final `save_model` (and the Hub upload) writes the policy's EMA weights in place of its live ones;
-            checkpoints keep the live weights (and the EMA in `ema.safetensors`).
-        eval_with_ema (`bool`, *optional*, defaults to `False`):
-            `evaluate()` samples from the policy's EMA weights (swapped in, then swapped back).
-
+        {ema_options}
         {resume_options}
         > Parameters that control non-finite steps (trl_ext additions)
 
@@ -481,7 +467,7 @@ class HarmlessnessConfig(VLLMConfigMixin, PtxConfigMixin, KLControlConfigMixin, 
         return self.loss_type != "reinforce" and get_loss_spec(self.loss_type).kind == "harmlessness"
 
     def _twist_uses_logprobs_only(self, loss: str) -> bool:
-        from ..proposal.twist_step import twist_uses_logprobs_only  # not imported with the config
+        from ..twist.twist_step import twist_uses_logprobs_only  # not imported with the config
 
         return twist_uses_logprobs_only(self.parameterization, loss)
 

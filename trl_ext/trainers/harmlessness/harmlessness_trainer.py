@@ -54,7 +54,7 @@ from ..common.metrics import OnlineMetrics
 from ..common.online import OnlineTrainerMixin
 from ..common.ptx import build_ptx
 from ..common.reward_setup import build_reward
-from ..proposal.twist_step import TwistLossOutput, twist_loss
+from ..twist.twist_step import TwistLossOutput, twist_loss
 from .harmlessness_config import HarmlessnessConfig
 from .io import HarmlessnessTrainerIO
 from .models import HarmlessnessModels, build_harmlessness_models, parameter_groups
@@ -531,7 +531,7 @@ class HarmlessnessTrainer(
     def compute_proposal_loss(self, model: nn.Module, rollout: Rollout, log_phi: torch.Tensor) -> TwistLossOutput:
         """The proposal's twist loss (``proposal_loss_type``, ``parameterization``) on its own samples, towards
         ``σ ∝ p_θ·exp(log φ)``: ``rollout.ref_logprobs`` are the current policy's log-probs
-        (:func:`~trl_ext.trainers.proposal.twist_step.twist_loss`, run through ``model`` with the proposal acting)."""
+        (:func:`~trl_ext.trainers.twist.twist_step.twist_loss`, run through ``model`` with the proposal acting)."""
         args = self.args
         batch = {
             "input_ids": rollout.input_ids,

@@ -110,12 +110,9 @@ class HarmlessnessTrainerIO:
         if error is not None:
             raise ValueError(error)
 
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """The mixins' `save_model`; a checkpoint also records the negative-data file's run id (``negdata_run.json``),
-        so that a run resumed from it continues that file."""
-        super().save_model(output_dir, _internal_call)
-        folder = os.path.normpath(output_dir if output_dir is not None else self.args.output_dir)
-        is_checkpoint = _internal_call and folder != os.path.normpath(self.args.output_dir)
+    def _after_save(self, folder: str, is_checkpoint: bool) -> None:
+        """A checkpoint also records the negative-data file's run id (``negdata_run.json``), so that a run resumed
+        from it continues that file."""
         if is_checkpoint and self._negdata is not None and self._negdata.run_id and self.args.should_save:
             with open(os.path.join(folder, NEGDATA_RUN_NAME), "w", encoding="utf-8") as f:
                 json.dump({"run_id": self._negdata.run_id, "path": self._negdata.path}, f)

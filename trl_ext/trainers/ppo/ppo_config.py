@@ -195,21 +195,7 @@ class PPOConfig(VLLMConfigMixin, PtxConfigMixin, KLControlConfigMixin, OnlineCon
             Number of sample-completion tables printed during training (on `eval_dataset`; `0`: none).
 
         {frozen_models_options}
-        > Parameters that control the EMA of the policy (trl_ext additions)
-
-        ema_beta (`float`, *optional*):
-            Keep an exponential moving average of the policy's trainable weights (the adapters under PEFT):
-            `ema_0` = the initial weights, `ema_t = ema_beta * ema_{t-1} + (1 - ema_beta) * theta_t` after every
-            optimizer step, in fp32. Saved in checkpoints (`ema.safetensors`) and restored on resume. Must be in
-            (0, 1); `None` or `0`: off.
-        ema_offload (`bool`, *optional*, defaults to `False`):
-            Keep the EMA on the CPU instead of the model's device.
-        save_ema_model (`bool`, *optional*, defaults to `False`):
-            The final `save_model` (and the Hub upload) writes the policy's EMA weights in place of its live ones;
-            checkpoints keep the live weights (and the EMA in `ema.safetensors`).
-        eval_with_ema (`bool`, *optional*, defaults to `False`):
-            `evaluate()` and the sample-completion tables use the policy's EMA weights (swapped in, then back).
-
+        {ema_options}
         {resume_options}
         > Derived batch sizes (set from the others; values passed in are overwritten)
 

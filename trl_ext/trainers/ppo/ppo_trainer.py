@@ -267,17 +267,14 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
     def _ema_module(self) -> nn.Module:
         return self.accelerator.unwrap_model(self.model).policy  # ema_beta averages the policy, not the critic
 
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Save the policy at ``output_dir`` (HF format, or the adapter under PEFT), the critic in ``value_model/``,
-        the tokenizer, the training arguments and the model card (pushed with ``push_to_hub`` outside checkpoints).
-        In a checkpoint taken in the middle of a rollout, the rollout is saved too, so that resuming continues it
-        exactly."""
-        super().save_model(output_dir, _internal_call)
-        if _internal_call and self._experience is not None and self._micro_step % self._micro_steps_per_rollout:
-            output_dir = os.path.normpath(output_dir if output_dir is not None else self.args.output_dir)
-            os.makedirs(output_dir, exist_ok=True)
+    def _after_save(self, folder: str, is_checkpoint: bool) -> None:
+        """`save_model` writes the policy (HF format, or the adapter under PEFT), the critic in ``value_model/``, the
+        tokenizer, the training arguments and the model card (`trl_ext.trainers.ppo.checkpoint`); a checkpoint taken
+        in the middle of a rollout also gets that rollout, so that resuming continues it exactly."""
+        if is_checkpoint and self._experience is not None and self._micro_step % self._micro_steps_per_rollout:
+            os.makedirs(folder, exist_ok=True)
             name = ckpt.ROLLOUT_STATE_PATTERN.format(rank=self.accelerator.process_index)
-            torch.save(self._experience.state_dict(), os.path.join(output_dir, name))
+            torch.save(self._experience.state_dict(), os.path.join(folder, name))
 
     def _write_models(self, output_dir: str, state_dict: dict | None) -> None:
         wrapper = self.accelerator.unwrap_model(self.model)

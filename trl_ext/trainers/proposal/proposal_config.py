@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from ...losses import available_losses
 from ...models.twist import TWIST_PARAMETERIZATIONS
 from ...rewards import RewardShaping
-from ..common.online_config import TwistTargetConfig
 from ..common.shared_docs import document_shared_options
 from ..common.vllm_config import VLLMConfigMixin, document_vllm_options
-from .twist_step import validate_twist_setup
+from ..twist.twist_config import TwistTargetConfig
+from ..twist.twist_step import validate_twist_setup
 
 __all__ = ["ProposalConfig"]
 
@@ -106,21 +106,7 @@ class ProposalConfig(VLLMConfigMixin, TwistTargetConfig):
             Number of sample tables (responses of ``q`` on `eval_dataset`) printed during training (`0`: none).
 
         {frozen_models_options}
-        > Parameters that control the EMA of the proposal (trl_ext additions)
-
-        ema_beta (`float`, *optional*):
-            Keep an exponential moving average of the proposal's trainable weights (the adapters under PEFT):
-            `ema_0` = the initial weights, `ema_t = ema_beta * ema_{t-1} + (1 - ema_beta) * theta_t` after every
-            optimizer step, in fp32. Saved in checkpoints (`ema.safetensors`) and restored on resume. Must be in
-            (0, 1); `None` or `0`: off.
-        ema_offload (`bool`, *optional*, defaults to `False`):
-            Keep the EMA on the CPU instead of the model's device.
-        save_ema_model (`bool`, *optional*, defaults to `False`):
-            The final `save_model` (and the Hub upload) writes the proposal's EMA weights in place of its live ones;
-            checkpoints keep the live weights (and the EMA in `ema.safetensors`).
-        eval_with_ema (`bool`, *optional*, defaults to `False`):
-            `evaluate()` and the sample-completion tables use the proposal's EMA weights (swapped in, then back).
-
+        {ema_options}
         {resume_options}
         > Parameters that control non-finite steps (trl_ext additions)
 
@@ -135,6 +121,8 @@ class ProposalConfig(VLLMConfigMixin, TwistTargetConfig):
     > `per_device_train_batch_size` counts **prompts**: a micro-step samples `per_device_train_batch_size ×
     > num_samples_per_prompt` responses.
     """
+
+    _ema_model = "proposal"  # the averaged model, in the shared EMA docs (not a field)
 
     # ------------------------------------------------------------------------------------- TrainingArguments
     learning_rate: float = field(default=3e-5, metadata={"help": "Learning rate of the proposal (AdamW by default)."})
@@ -164,7 +152,7 @@ class ProposalConfig(VLLMConfigMixin, TwistTargetConfig):
 
     # ------------------------------------------------------------------------------------------- checks
     def _twist_uses_logprobs_only(self, loss: str) -> bool:
-        from .twist_step import twist_uses_logprobs_only  # not imported with the config
+        from ..twist.twist_step import twist_uses_logprobs_only  # not imported with the config
 
         return twist_uses_logprobs_only(self.parameterization, loss)
 

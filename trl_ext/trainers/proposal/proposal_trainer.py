@@ -9,7 +9,7 @@ How it sits on `Trainer`: the train dataloader yields ``per_device_train_batch_s
 2. maps the raw scores to ``R`` and ``log φ = β·R`` (:meth:`ProposalTrainer.compute_rewards`,
    `trl_ext.rewards.RewardShaping`);
 3. computes the twist loss (:meth:`ProposalTrainer.compute_twist_loss`, i.e.
-   :func:`~trl_ext.trainers.proposal.twist_step.twist_loss`), which `Trainer` back-propagates.
+   :func:`~trl_ext.trainers.twist.twist_step.twist_loss`), which `Trainer` back-propagates.
 
 Gradient accumulation, the optimizer, scheduler, clipping, mixed precision, logging, callbacks, checkpoints and resume
 are `Trainer`'s; a rollout batch is therefore independent of the update batch (``gradient_accumulation_steps``
@@ -45,9 +45,9 @@ from ..common.model_parts import add_adapters, shares_parameters
 from ..common.online import OnlineTrainerMixin, evaluates_with_ema, forked_rng
 from ..common.reward_setup import build_reward
 from ..common.run_folder import stage_prefix
+from ..twist.twist_step import TwistLossOutput, twist_loss, validate_twist_setup
 from .metrics import ProposalMetrics, proposal_diagnostics
 from .proposal_config import ProposalConfig
-from .twist_step import TwistLossOutput, twist_loss, validate_twist_setup
 
 __all__ = ["ProposalRewards", "ProposalTrainer"]
 
@@ -339,7 +339,7 @@ class ProposalTrainer(OnlineTrainerMixin, _BaseTrainer):
         return ProposalRewards(rewards, self.reward_shaping.log_phi(scores).to(scores.device))
 
     def compute_twist_loss(self, model: nn.Module, batch: dict) -> TwistLossOutput:
-        """The twist loss of ``q`` on one rollout (:func:`~trl_ext.trainers.proposal.twist_step.twist_loss` with the
+        """The twist loss of ``q`` on one rollout (:func:`~trl_ext.trainers.twist.twist_step.twist_loss` with the
         config's ``parameterization``, ``loss_type``, ``temperature`` and ``loss_aggregation``)."""
         args = self.args
         reference = self._reference_module() if self._needs.all_vocab else None

@@ -50,7 +50,7 @@ from ..harmlessness.config_checks import HEAD_PARAMETERIZATIONS
 from ..harmlessness.harmlessness_trainer import HarmlessnessTrainer
 from ..harmlessness.models import head_proposal
 from ..harmlessness.steps import negative_term_scale
-from ..proposal.twist_step import TwistLossOutput, twist_loss
+from ..twist.twist_step import TwistLossOutput, twist_loss
 from .proposal_state import ProposalCheckpointCallback, load_proposal_state, resume_checkpoint, save_proposal_state
 from .repulse_grpo_config import RePULSeGRPOConfig
 from .rewards import PROMPT_KEY, build_proposal_reward
@@ -280,7 +280,7 @@ class RePULSeGRPOTrainer(GRPOTrainer):
 
     def compute_proposal_loss(self, rollout: Rollout, log_phi: torch.Tensor) -> TwistLossOutput:
         """The proposal's twist loss (``proposal_loss_type``, ``parameterization``) on its own samples towards
-        ``σ ∝ p_θ·exp(log φ)`` (`trl_ext.trainers.proposal.twist_step.twist_loss`)."""
+        ``σ ∝ p_θ·exp(log φ)`` (`trl_ext.trainers.twist.twist_step.twist_loss`)."""
         args = self.args
         batch = {
             "input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask,
