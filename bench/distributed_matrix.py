@@ -1,6 +1,7 @@
-"""Run the launch matrix of `tests/test_distributed_matrix.py` and write its table: per trainer × engine, pass/fail,
-the wall time of the 2-process run, whether the cell is in the default suite, and how far its final weights are from
-the 1-process run's. With ``--resume``, the same for `tests/test_distributed_resume.py` (kill mid-save, resume).
+"""Run the launch matrix of `tests/trainers/common/test_distributed_matrix.py` and write its table: per trainer ×
+engine, pass/fail, the wall time of the 2-process run, whether the cell is in the default suite, and how far its final
+weights are from the 1-process run's. With ``--resume``, the same for
+`tests/trainers/common/test_distributed_resume.py` (kill mid-save, resume).
 
     python bench/distributed_matrix.py              # every cell (28 runs + 7 one-process references)
     python bench/distributed_matrix.py --default    # the 7 cells of the default suite
@@ -71,7 +72,7 @@ wall time of the 2-process launch (start-up included). Δw is the largest differ
 those of a 1-process run with the same global batch and seed (test bound: 1e-4 × how far the weights moved, here
 {moved}). "(slow)": the cell is marked `slow`; the others run in the default suite."""
 
-RESUME_TEXT = """Each case (`tests/test_distributed_resume.py`): the trainer's tiny example recipe as
+RESUME_TEXT = """Each case (`tests/trainers/common/test_distributed_resume.py`): the trainer's tiny example recipe as
 documented (AdamW, each process sampling from its own RNG) on 2 CPU processes, a checkpoint after each of 4 optimizer
 steps; an uninterrupted run, the same run with the main process killed (SIGKILL) halfway through writing its
 optimizer state into `checkpoint-4`, then `--resume_from_checkpoint true`, which skips the incomplete checkpoint and
@@ -86,10 +87,10 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true", help="the kill-and-resume cases instead of the matrix")
     args = parser.parse_args()
     if args.resume:
-        rows, command, seconds = run(args.default, "tests/test_distributed_resume.py", "test_resume")
+        rows, command, seconds = run(args.default, "tests/trainers/common/test_distributed_resume.py", "test_resume")
         title, name, body = "Resume after a kill mid-save, 2 CPU processes", "distributed_resume", RESUME_TEXT
     else:
-        rows, command, seconds = run(args.default, "tests/test_distributed_matrix.py", "test_cell")
+        rows, command, seconds = run(args.default, "tests/trainers/common/test_distributed_matrix.py", "test_cell")
         moved = [r["moved"] for r in rows if r.get("moved")]
         title, name = "Launch matrix: every trainer on every engine, 2 CPU processes", "distributed_matrix"
         body = MATRIX_TEXT.format(moved=f"{min(moved, default=0):.0e} to {max(moved, default=0):.0e}")

@@ -4,8 +4,8 @@
     python bench/offload_memory.py                     # hidden 1024, 12 layers (~150M parameters per model), fp32
     python bench/offload_memory.py --hidden 2048 --layers 16 --updates 4
 
-Needs CUDA: on a machine without it the script says so and exits (the CPU tests in ``tests/test_offload.py`` check
-that offloading changes no result). Each variant runs in a fresh subprocess, so neither inherits the other's
+Needs CUDA: on a machine without it the script says so and exits (the CPU tests in ``tests/models/test_offload.py``
+check that offloading changes no result). Each variant runs in a fresh subprocess, so neither inherits the other's
 high-water mark:
 
 - ``resident``  the default: reference and reward model on the GPU for the whole run;
@@ -101,8 +101,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         print(
             "bench/offload_memory.py measures GPU memory and needs CUDA, which this machine does not have: nothing "
-            "measured. On CPU, tests/test_offload.py checks that ref_offload / reward_offload / teacher_offload move "
-            "the frozen models as intended and change no result."
+            "measured. On CPU, tests/models/test_offload.py checks that ref_offload / reward_offload / "
+            "teacher_offload move the frozen models as intended and change no result."
         )
         return
     results = {}

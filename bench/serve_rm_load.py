@@ -27,7 +27,7 @@ An adversarial reply other than the expected one (a 500, a dropped connection) c
 Printed: the errors of the valid requests, their latency percentiles (p50, p90, p99, max) from request start to
 reply parsed, the throughput, the adversarial replies by kind and status, and (own server only) the server's resident
 memory (RSS) after the warm-up, its peak during the run (sampled every 0.1 s) and after the run. Not a test: nothing
-is asserted (``tests/test_rm_server.py::test_soak_mixed_clients`` asserts on the same figures).
+is asserted (``tests/serving/test_rm_server.py::test_soak_mixed_clients`` asserts on the same figures).
 """
 
 from __future__ import annotations

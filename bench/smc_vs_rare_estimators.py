@@ -2,7 +2,7 @@
 
 Two settings, each with an exact value by enumeration:
 
-- ``toy``: the exact toy of tests/test_sampling_smc.py (tiny GPT-NeoX over 32 tokens, LM head x4, prompt
+- ``toy``: the exact toy of tests/sampling/test_sampling_smc.py (tiny GPT-NeoX over 32 tokens, LM head x4, prompt
   [7, 9, 11, 13], bad tokens {6, 7, 28}: P(bad) = 0.205, not rare);
 - ``toy_rare``: the same model with its LM head x16 (peakier) and the 3 tokens least likely to appear in a response
   as the bad set (P(bad) = 0.0045);

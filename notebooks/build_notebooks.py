@@ -12,7 +12,7 @@ with ``nbformat``; ``--execute`` then runs each notebook top to bottom in a Jupy
 
 The kernel inherits this process's environment plus ``PYTHONPATH=<repo>`` and the offline Hugging Face switches, so
 ``TRL_EXT_NOTEBOOK_PROFILE`` / ``TRL_EXT_NOTEBOOK_SMOKE`` choose the profile and ``TRL_EXT_NOTEBOOK_OUTPUT_DIR`` the
-folder for the PNG/JSON files (default here: ``outputs/notebooks``). ``tests/test_notebooks.py`` uses
+folder for the PNG/JSON files (default here: ``outputs/notebooks``). ``tests/package/test_notebooks.py`` uses
 :func:`execute_notebook` too.
 """
 

@@ -14,6 +14,9 @@ Fixtures (all offline, each build well under a second):
   `tiny_harmful_prompt_dataset`: small `datasets.Dataset`s (immutable, shared by the session).
 - `tiny_workdir`: a scratch folder after `python examples/build_tiny_inputs.py` (the recipes' example inputs).
 
+Tests live in one folder per layer of the package (ops, losses, models, rewards, data, rollout, sampling,
+trainers/<algorithm>, eval, serving, recipes, study, package); the helpers shared across them stay here.
+
 Every test also starts from seed 0 (`random`, `numpy`, `torch`), torch uses one thread (`TRL_EXT_TEST_THREADS`
 changes it), the Hugging Face libraries are told to stay offline, and the kit's default cache
 (`TRL_EXT_TINY_CACHE`) points at the session temp folder.
@@ -22,6 +25,16 @@ changes it), the Hugging Face libraries are told to stay offline, and the kit's 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
+
+# The tests are grouped by layer (tests/ops, tests/rollout, tests/trainers/ppo, ...) and share helpers by module name
+# (`from test_ppo_trainer import make_trainer`, `online_helpers`), so tests/ and each of its test folders are
+# importable whichever file pytest collects first.
+_TESTS = Path(__file__).resolve().parent
+for _folder in [_TESTS, *sorted({p.parent for p in _TESTS.rglob("test_*.py")})]:
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 # Before any Hugging Face import: never reach the network, keep logs quiet.
 for _name, _value in {

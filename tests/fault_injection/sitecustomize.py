@@ -1,4 +1,5 @@
-"""Fault injection for `tests/test_distributed_resume.py`: a process killed in the middle of writing a checkpoint.
+"""Fault injection for `tests/trainers/common/test_distributed_resume.py`: a process killed in the middle of writing a
+checkpoint.
 
 Python imports ``sitecustomize`` at start-up from ``sys.path``; the test puts this folder first on ``PYTHONPATH`` of
 an ``accelerate launch`` and sets ``TRL_EXT_KILL_DURING_SAVE=checkpoint-N``. The main process (``RANK=0``) then dies

@@ -492,7 +492,7 @@ class RemoteReward(RewardFunction):
     times with exponential backoff (``backoff · 2^k`` seconds); other 4xx replies raise at once with the server's
     message. Uses only the standard library: `huggingface_hub.utils.http_backoff` would do the retries, but its
     client refuses *every* URL when ``HF_HUB_OFFLINE=1`` (checked with huggingface_hub 1.33), which is exactly how
-    offline training with a local reward server runs (``tests/test_models_reward_interface.py`` runs offline).
+    offline training with a local reward server runs (``tests/models/test_models_reward_interface.py`` runs offline).
 
     Credentials never reach a log or an error message: the URL is shown with ``user:password@`` and credential-like
     query parameters replaced by ``***`` (:func:`redact_url`). A ``user:password@`` in the URL is sent

@@ -3,9 +3,10 @@ FSDP's memory-saving load leaves on the meta device.
 
 `accelerate launch --config_file accelerate_configs/fsdp2.yaml` sets ``ACCELERATE_USE_FSDP=true``, but accelerate
 (1.15) only turns that into FSDP for GPU-like process groups: with ``--use_cpu true`` (CPU processes on ``gloo``) the
-state stays ``MULTI_CPU`` and the model is silently wrapped in plain DDP. PyTorch's FSDP2 (``fully_shard``) itself
-runs on CPU tensors with ``gloo``, so :class:`CpuFsdpMixin` lets accelerate take its FSDP branch there too: the same
-sharding, gathering and saving code as on GPUs runs in a 2-process CPU test (``tests/test_distributed_matrix.py``).
+state stays ``MULTI_CPU`` and the model is silently wrapped in plain DDP. PyTorch's FSDP2 (``fully_shard``) itself runs
+on CPU tensors with ``gloo``, so :class:`CpuFsdpMixin` lets accelerate take its FSDP branch there too: the same
+sharding, gathering and saving code as on GPUs runs in a 2-process CPU test
+(``tests/trainers/common/test_distributed_matrix.py``).
 
 Only FSDP version 2 is enabled this way (FSDP1's flat parameters need a CUDA device); with FSDP1 on CPU the run stays
 DDP, as accelerate decides.

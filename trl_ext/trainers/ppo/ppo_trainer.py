@@ -26,7 +26,7 @@ The route of one PPO update (a rollout and all its optimizer steps), file by fil
 
 Sampling and scoring (`trl_ext.rollout`: generate, the log-probs of the responses, the reference, the critic and the
 reward) and the models (`trl_ext.models`, `policy_value.py`'s policy-and-critic forward) are the two boxes this
-route calls into; `tests/test_ppo_route.py` checks that an update runs these files and no others.
+route calls into; `tests/trainers/ppo/test_ppo_route.py` checks that an update runs these files and no others.
 """
 
 from __future__ import annotations

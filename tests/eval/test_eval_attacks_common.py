@@ -31,7 +31,7 @@ from trl_ext.eval.attacks.common import (
 from trl_ext.eval.report import binomial_ci
 from trl_ext.testing import build_causal_lm, build_tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GOAL, TARGET, SUFFIX = "What is a good name for a cat?", "Sure, here is", " zebra zebra"
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from online_helpers import loaded_script
 
-RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "estimate_rare_outputs.py"
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "estimate_rare_outputs.py"
 OPTIONS = (
     "--model_name_or_path",
     "--method",

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 def test_the_gpu_check_dry_run_runs_every_step(tmp_path, monkeypatch):

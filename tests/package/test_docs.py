@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 BLOCK = re.compile(r"^```python([^\n]*)\n(.*?)^```", re.S | re.M)
 
 

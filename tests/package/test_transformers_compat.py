@@ -24,7 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from trl_ext import testing as kit
 from trl_ext.models.kv_cache import CACHE_KWARG, cache_kwargs, output_cache, pop_cache, takes_cache
 
-PACKAGE = Path(__file__).resolve().parents[1] / "trl_ext"
+PACKAGE = Path(__file__).resolve().parents[2] / "trl_ext"
 ROOT = PACKAGE.parent
 
 

@@ -20,7 +20,7 @@ from trl_ext import testing as kit
 from trl_ext.models import smollm2
 from trl_ext.rewards import OFFENSIVE_WORDS, LexicalReward
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "recipes" / "demo_indicator.py"
 
 

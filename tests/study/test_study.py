@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from trl_ext.rewards import OffensivenessReward, reward_threshold
 from trl_ext.study import frontier_rows, load_study_config, run_study, summary_path
 from trl_ext.study import runner as study_runner
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(Path(__file__).resolve().parents[2])
 STUDY_FILE = os.path.join(ROOT, "examples", "study_rtp.yaml")
 
 

@@ -14,8 +14,8 @@ import torch
 
 from trl_ext.trainers import _aliases
 
-PACKAGE = Path(__file__).resolve().parents[1] / "trl_ext"
-DATA = Path(__file__).resolve().parent / "data" / "pre_layout"
+PACKAGE = Path(__file__).resolve().parents[2] / "trl_ext"
+DATA = Path(__file__).resolve().parents[1] / "data" / "pre_layout"
 
 # Lower numbers may be imported by higher ones, never the other way; equal numbers may not import each other.
 LAYERS = {
@@ -210,3 +210,13 @@ def test_training_args_pickled_before_the_move_still_load(name, cls_path):
     args = torch.load(DATA / f"{name}_training_args.bin", weights_only=False)
     assert type(args) is getattr(importlib.import_module(module), cls)
     assert args.seed == 7 and args.learning_rate == 3e-5 and args.output_dir == "out"
+
+
+def test_tests_are_grouped_by_the_layer_they_test():
+    """tests/ holds the shared fixtures and helpers; every test file is in the folder of the layer it tests."""
+    tests = Path(__file__).resolve().parents[1]
+    assert not sorted(p.name for p in tests.glob("test_*.py")), "test files at the top of tests/: move them"
+    folders = {p.parent.relative_to(tests).parts[0] for p in tests.rglob("test_*.py")}
+    layers = {"ops", "losses", "models", "rewards", "data", "rollout", "sampling", "trainers", "eval", "serving",
+              "recipes", "study", "package", "vllm_cpu"}  # fmt: skip
+    assert folders <= layers, sorted(folders - layers)

@@ -27,7 +27,7 @@ nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BUILD = REPO / "notebooks" / "build_notebooks.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PINS = ("trl==1.16.0", "transformers==5.23.0", "accelerate==1.15.0", "peft==0.21.2", "datasets==4.8.5")

@@ -21,7 +21,7 @@ from trl_ext.rewards import HELDOUT_OFFENSIVE_WORDS, OFFENSIVE_WORDS
 from trl_ext.study import toy_report
 from trl_ext.study.toy import ToyConfig, ToyRun, _claim, offensive_sample_stats, run_toy_queue, toy_runs
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """P(bad) of a model's own response by every estimator (`trl_ext.eval.rare.responses`): the first-token reduction
 that lets the input-space estimators (brute force, ITGIS, MHIS) answer it, checked against exact enumeration on the
-toy of tests/test_sampling_smc.py (32 tokens, 2-token responses, bad tokens {6, 7, 28}, stop token 3)."""
+toy of tests/sampling/test_sampling_smc.py (32 tokens, 2-token responses, bad tokens {6, 7, 28}, stop token 3)."""
 
 from __future__ import annotations
 

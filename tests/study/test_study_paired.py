@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from trl_ext.study.paired import (
     trajectory,
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(Path(__file__).resolve().parents[2])
 V2_FILE = os.path.join(ROOT, "examples", "study_rtp_v2.yaml")
 V1_FILE = os.path.join(ROOT, "examples", "study_rtp.yaml")
 TAUS = {"0.5": math.log(0.5), "0.9": math.log(0.1)}

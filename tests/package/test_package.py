@@ -13,7 +13,7 @@ import pytest
 
 from trl_ext._notices import DemoteNotice, install_notice_filters
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HEAVY_OPTIONAL = ("deepspeed", "nanogcg", "fastapi", "uvicorn", "matplotlib", "profanity_check", "gguf", "vllm")
 
 

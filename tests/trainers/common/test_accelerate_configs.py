@@ -3,8 +3,8 @@ sections, precision, FSDP version, DeepSpeed keys the trainers rely on being abs
 when it is a multi-node one, and is consistent with the recipes' options: the trainers' defaults that the configs
 assume, and the example recipe YAMLs use no option that a trainer refuses under DeepSpeed or FSDP. The SLURM example
 starts one `accelerate launch` per node with the right rank and rendezvous address (run with stubs for `srun`,
-`scontrol` and `accelerate`). `tests/test_ppo_recipe.py` additionally runs each YAML through `accelerate launch`'s own
-validation."""
+`scontrol` and `accelerate`). `tests/recipes/test_ppo_recipe.py` additionally runs each YAML through `accelerate
+launch`'s own validation."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from trl_ext.plan import (
 )
 from trl_ext.plan.__main__ import main
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "distributed.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "distributed.md"
 G = 10**9
 
 
@@ -344,7 +344,7 @@ def test_two_process_runs_allocate_what_the_planner_says(tmp_path):
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed not installed")
     out = tmp_path / "plan_memory.json"
-    script = Path(__file__).resolve().parents[1] / "bench" / "plan_memory.py"
+    script = Path(__file__).resolve().parents[2] / "bench" / "plan_memory.py"
     cmd = [sys.executable, str(script), "--engines", "ddp,zero3", "--processes", "2", "--json", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
     rows = json.loads(out.read_text())

@@ -1,10 +1,9 @@
 """RePULSe's negatives drawn by twisted SMC (``negative_sampler="smc"``, `trainers.harmlessness.smc_negatives`).
 
-The σ-weighted term's expectation is unchanged: on the exact toy of tests/test_sampling_smc.py (32 tokens, 2-token
-responses, lexical reward −1 on {6, 7, 28}, σ ∝ p·exp(−3·r)), the SMC negatives with the sampler's weights and the
-proposal's samples with self-normalised weights both estimate the exact ``E_σ[token-mean log p(s)]``; the
-``Ẑ``-weighted SMC average is unbiased. Then the trainer runs with the option on the harmlessness toy.
-"""
+The σ-weighted term's expectation is unchanged: on the exact toy of tests/sampling/test_sampling_smc.py (32 tokens,
+2-token responses, lexical reward −1 on {6, 7, 28}, σ ∝ p·exp(−3·r)), the SMC negatives with the sampler's weights and
+the proposal's samples with self-normalised weights both estimate the exact ``E_σ[token-mean log p(s)]``; the
+``Ẑ``-weighted SMC average is unbiased. Then the trainer runs with the option on the harmlessness toy."""
 
 from __future__ import annotations
 
