@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from online_helpers import EXAMPLES, RECIPES, assert_help_lists, loaded_script
+from online_helpers import EXAMPLES, RECIPES, assert_help_lists, load_script, loaded_script
 
 from trl_ext.eval.attacks import beast, build_attack_prompt, eval_beast, suffix_target_losses, target_logprobs
 from trl_ext.eval.attacks.beast import beast_attack, sample_distinct_tokens, top_p_filter
@@ -169,3 +169,21 @@ def test_recipe_runs_on_the_tiny_kit(recipe, tiny_llama_dir, tiny_llama_reward_d
     assert saved["num_goals"] == 2 and saved["config"]["exclude_adv_suffix"] is True
     assert saved["config"]["reward"].startswith("LlamaForSequenceClassification")  # same vocabulary: token ids
     assert all(len(g["suffix_token_ids"]) <= 2 and "reward_mean" in g["after"] for g in saved["goals"])
+
+
+def test_beast_options_are_one_dataclass_for_the_attack_its_evaluation_and_the_recipe(model, tok):
+    """`BeastOptions` (and `GCGOptions`) are declared once: the attack takes the object or its fields as keywords
+    (beast_attack's own `temperature` / `top_p` names included), and the recipes' argument classes are them."""
+    from trl_ext.eval.attacks import BeastOptions, GCGOptions
+
+    options = BeastOptions(beam_width=3, candidates=4, suffix_length=5, attack_temperature=0.7)
+    by_object = beast_attack(model, tok, GOAL, TARGET, options=options, seed=3, show_progress=False)
+    by_keywords = beast_attack(model, tok, GOAL, TARGET, seed=3, temperature=0.7, **SMALL)
+    assert by_object.suffix_ids.tolist() == by_keywords.suffix_ids.tolist()
+    assert by_object.loss_history == by_keywords.loss_history
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['beams'\]"):
+        beast_attack(model, tok, GOAL, TARGET, beams=2)
+    with pytest.raises(ValueError, match="BEAST's beam_width must be >= 1"):
+        eval_beast(model, tok, [(GOAL, TARGET)], beast=BeastOptions(beam_width=0), show_progress=False)
+    assert load_script(RECIPES / "eval_beast.py").BeastArguments is BeastOptions
+    assert load_script(RECIPES / "eval_gcg.py").GCGArguments is GCGOptions

@@ -15,24 +15,11 @@ evaluation, success criteria and JSON report are those of `recipes/eval_gcg.py` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from trl_ext import cli
+from trl_ext.eval.attacks import BeastOptions, eval_beast
 from trl_ext.eval.attacks import cli as attack_cli
-from trl_ext.eval.attacks import eval_beast
 
-
-@dataclass
-class BeastArguments:
-    """BEAST's options."""
-
-    beam_width: int = field(default=15, metadata={"help": "k1: beams kept per step."})
-    candidates: int = field(default=15, metadata={"help": "k2: distinct next tokens sampled per beam and step."})
-    suffix_length: int = field(default=40, metadata={"help": "Suffix tokens at the end of the search."})
-    tokens_per_step: int = field(default=1, metadata={"help": "Tokens appended per candidate and step."})
-    attack_temperature: float = field(default=1.0, metadata={"help": "Temperature of the suffix-token sampling."})
-    attack_top_p: float = field(default=1.0, metadata={"help": "Top-p of the suffix-token sampling."})
-    batch_size: int = field(default=64, metadata={"help": "Candidates per forward pass."})
+BeastArguments = BeastOptions  # the attack's options: one dataclass for the attack, its evaluation and this recipe
 
 
 def main(args: attack_cli.AttackScriptArguments, beast_args: BeastArguments) -> dict:

@@ -18,25 +18,11 @@ paired with `--advbench_target`); `--scenario strings` attacks the targets alone
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from trl_ext import cli
+from trl_ext.eval.attacks import GCGOptions, eval_gcg
 from trl_ext.eval.attacks import cli as attack_cli
-from trl_ext.eval.attacks import eval_gcg
 
-
-@dataclass
-class GCGArguments:
-    """GCG's options (nanogcg's `GCGConfig`; the other settings are fixed, see `trl_ext.eval.attacks.gcg`)."""
-
-    num_steps: int = field(default=250, metadata={"help": "GCG optimisation steps per goal."})
-    search_width: int = field(default=512, metadata={"help": "Candidate suffixes evaluated per step."})
-    topk: int = field(default=256, metadata={"help": "Top-k tokens by gradient considered per suffix position."})
-    batch_size: int | None = field(
-        default=None, metadata={"help": "Candidates per forward pass; unset: all candidates of a step at once."}
-    )
-    n_replace: int = field(default=1, metadata={"help": "Suffix positions changed per candidate."})
-    optim_str_init: str = field(default="x x x x x x x x x x", metadata={"help": "The suffix GCG starts from."})
+GCGArguments = GCGOptions  # the attack's options: one dataclass for the attack, its evaluation and this recipe
 
 
 def main(args: attack_cli.AttackScriptArguments, gcg_args: GCGArguments) -> dict:

@@ -11,7 +11,7 @@
 GCG needs ``pip install --no-deps nanogcg==0.3.0 scipy`` (imported only when GCG runs).
 """
 
-from .beast import BeastResult, beast_attack, eval_beast
+from .beast import BeastOptions, BeastResult, beast_attack, eval_beast
 from .common import (
     REFUSAL_SUBSTRINGS,
     SCENARIOS,
@@ -28,11 +28,13 @@ from .common import (
     suffix_target_losses,
     target_logprobs,
 )
-from .gcg import eval_gcg, gcg_attack
+from .gcg import GCGOptions, eval_gcg, gcg_attack
 from .options import AttackEvalOptions
 
 __all__ = [
     "AttackEvalOptions",
+    "BeastOptions",
+    "GCGOptions",
     "REFUSAL_SUBSTRINGS",
     "SCENARIOS",
     "SUCCESS_CRITERIA",

@@ -27,10 +27,11 @@ for every tokenizer, so the evaluation samples from the ids.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -47,9 +48,9 @@ from .common import (
     suffix_target_losses,
     target_token_ids,
 )
-from .options import AttackEvalOptions, resolve_eval_options
+from .options import AttackEvalOptions, resolve_eval_options, split_keywords, with_overrides
 
-__all__ = ["BeastResult", "beast_attack", "eval_beast", "sample_distinct_tokens", "top_p_filter"]
+__all__ = ["BeastOptions", "BeastResult", "beast_attack", "eval_beast", "sample_distinct_tokens", "top_p_filter"]
 
 
 @dataclass
@@ -117,15 +118,40 @@ def _next_token_logits(model: nn.Module, before_ids: torch.Tensor, suffixes: tor
 
 
 # ------------------------------------------------------------------------------------------------ the attack
-def _check_options(beam_width, candidates, suffix_length, tokens_per_step, temperature, top_p, batch_size) -> None:
-    for name, value in (("beam_width", beam_width), ("candidates", candidates), ("suffix_length", suffix_length),
-                        ("tokens_per_step", tokens_per_step), ("batch_size", batch_size)):  # fmt: skip
-        if int(value) < 1:
-            raise ValueError(f"BEAST's {name} must be >= 1; got {value}.")
-    if not temperature > 0:
-        raise ValueError(f"BEAST's temperature must be > 0; got {temperature}.")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"BEAST's top_p must be in (0, 1]; got {top_p}.")
+@dataclass
+class BeastOptions:
+    """BEAST's options, declared once for :func:`beast_attack`, :func:`eval_beast` and the recipe
+    (``recipes/eval_beast.py``). ``attack_temperature`` / ``attack_top_p`` shape how suffix tokens are sampled (the
+    evaluated responses' ``temperature`` is the evaluation's, `AttackEvalOptions`)."""
+
+    beam_width: int = field(default=15, metadata={"help": "k1: beams kept per step."})
+    candidates: int = field(default=15, metadata={"help": "k2: distinct next tokens sampled per beam and step."})
+    suffix_length: int = field(default=40, metadata={"help": "Suffix tokens at the end of the search."})
+    tokens_per_step: int = field(default=1, metadata={"help": "Tokens appended per candidate and step."})
+    attack_temperature: float = field(default=1.0, metadata={"help": "Temperature of the suffix-token sampling."})
+    attack_top_p: float = field(default=1.0, metadata={"help": "Top-p of the suffix-token sampling."})
+    batch_size: int = field(default=64, metadata={"help": "Candidates per forward pass."})
+
+    def check(self) -> None:
+        """Raise a ``ValueError`` naming the option to change."""
+        for name in ("beam_width", "candidates", "suffix_length", "tokens_per_step", "batch_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"BEAST's {name} must be >= 1; got {getattr(self, name)}.")
+        if not self.attack_temperature > 0:
+            raise ValueError(f"BEAST's temperature must be > 0; got {self.attack_temperature}.")
+        if not 0 < self.attack_top_p <= 1:
+            raise ValueError(f"BEAST's top_p must be in (0, 1]; got {self.attack_top_p}.")
+
+    def reported(self) -> dict:
+        """The options as the report's ``config["attack"]`` names them (the suffix sampling's ``temperature`` and
+        ``top_p``)."""
+        out = dataclasses.asdict(self)
+        out["temperature"], out["top_p"] = out.pop("attack_temperature"), out.pop("attack_top_p")
+        return out
+
+
+# beast_attack's own names of the two sampling options (it samples only suffix tokens)
+_ATTACK_NAMES = {"temperature": "attack_temperature", "top_p": "attack_top_p"}
 
 
 def beast_attack(
@@ -134,33 +160,33 @@ def beast_attack(
     goal: str,
     target: str,
     *,
-    beam_width: int = 15,
-    candidates: int = 15,
-    suffix_length: int = 40,
-    tokens_per_step: int = 1,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
+    options: BeastOptions | None = None,
     seed: int = 0,
-    batch_size: int = 64,
     show_progress: bool = True,
     prompt: AttackPrompt | None = None,
+    **overrides,
 ) -> BeastResult:
     """Find a suffix for ``goal`` (``""`` in the strings scenario) that makes ``target`` the start of the answer.
 
     Args:
-        beam_width: ``k1``, beams kept per step.
-        candidates: ``k2``, distinct next tokens sampled per beam and step.
-        suffix_length: suffix tokens at the end of the search.
-        tokens_per_step: tokens appended per candidate and step (the first distinct, the others sampled in turn).
-        temperature, top_p: the sampling distribution of suffix tokens.
+        options: :class:`BeastOptions` — ``beam_width`` (``k1``, beams kept per step), ``candidates`` (``k2``,
+            distinct next tokens sampled per beam and step), ``suffix_length``, ``tokens_per_step`` (the first
+            distinct, the others sampled in turn), ``attack_temperature`` / ``attack_top_p`` (the sampling
+            distribution of suffix tokens), ``batch_size`` (candidates per forward pass); keywords of its fields
+            override them (``temperature`` / ``top_p`` name the two sampling ones here too).
         seed: seed of the sampling generator.
-        batch_size: candidates per forward pass.
         prompt: the templated prompt pieces (built from ``goal`` when ``None``).
 
     Returns:
         a :class:`BeastResult`: the lowest-loss suffix of any length, its loss, the best loss of every step.
     """
-    _check_options(beam_width, candidates, suffix_length, tokens_per_step, temperature, top_p, batch_size)
+    overrides = {_ATTACK_NAMES.get(key, key): value for key, value in overrides.items()}
+    (overrides,) = split_keywords(overrides, BeastOptions)
+    options = with_overrides(options, BeastOptions, overrides)
+    options.check()
+    beam_width, candidates, batch_size = options.beam_width, options.candidates, options.batch_size
+    suffix_length, tokens_per_step = options.suffix_length, options.tokens_per_step
+    temperature, top_p = options.attack_temperature, options.attack_top_p
     prompt = prompt if prompt is not None else build_attack_prompt(tokenizer, goal)
     target_ids = target_token_ids(tokenizer, target)
     vocab = model.get_input_embeddings().num_embeddings
@@ -209,33 +235,23 @@ def eval_beast(
     *,
     reward=None,
     options: AttackEvalOptions | None = None,
-    beam_width: int = 15,
-    candidates: int = 15,
-    suffix_length: int = 40,
-    tokens_per_step: int = 1,
-    attack_temperature: float = 1.0,
-    attack_top_p: float = 1.0,
-    batch_size: int = 64,
+    beast: BeastOptions | None = None,
     output_path: str | os.PathLike | None = None,
     show_progress: bool = True,
-    **eval_options,
+    **keywords,
 ) -> dict:
     """Attack every (goal, target) with :func:`beast_attack` and measure jailbreaks before and after.
 
     The same evaluation and report as :func:`~trl_ext.eval.attacks.eval_gcg` (sampling, reward, success criteria,
-    ASR with Wilson intervals, target log-probs), with BEAST's options instead of GCG's: ``beam_width`` (k1),
-    ``candidates`` (k2), ``suffix_length``, ``tokens_per_step``, ``attack_temperature`` / ``attack_top_p`` (how suffix
-    tokens are sampled; ``temperature`` / ``top_k`` are those of the evaluated responses) and ``batch_size``
-    (candidates per forward pass). ``options`` (:class:`~trl_ext.eval.attacks.options.AttackEvalOptions`, or
-    keywords of its fields' names) are the evaluation's; goal ``i`` uses seed ``seed + i``.
+    ASR with Wilson intervals, target log-probs), with BEAST's options (``beast``, :class:`BeastOptions`) instead of
+    GCG's; ``temperature`` / ``top_k`` are those of the evaluated responses. ``options``
+    (:class:`~trl_ext.eval.attacks.options.AttackEvalOptions`) are the evaluation's; ``keywords`` set fields of
+    either by name (``samples_per_prompt=20``, ``beam_width=4``). Goal ``i`` uses seed ``seed + i``.
     """
-    evaluation = resolve_eval_options(options, eval_options)
-    attack_options = {
-        "beam_width": beam_width, "candidates": candidates, "suffix_length": suffix_length,
-        "tokens_per_step": tokens_per_step, "temperature": attack_temperature, "top_p": attack_top_p,
-        "batch_size": batch_size,
-    }  # fmt: skip
-    _check_options(**attack_options)  # fail before the first goal is attacked
+    eval_keywords, beast_keywords = split_keywords(keywords, AttackEvalOptions, BeastOptions)
+    evaluation = resolve_eval_options(options, eval_keywords)
+    beast = with_overrides(beast, BeastOptions, beast_keywords)
+    beast.check()  # fail before the first goal is attacked
 
     def attack(goal: str, target: str, prompt: AttackPrompt, goal_seed: int) -> BeastResult:
         return beast_attack(
@@ -243,7 +259,7 @@ def eval_beast(
             tokenizer,
             goal,
             target,
-            **attack_options,
+            options=beast,
             seed=goal_seed,
             show_progress=show_progress,
             prompt=prompt,
@@ -251,6 +267,6 @@ def eval_beast(
 
     return run_attack_evaluation(
         model, tokenizer, behaviors, attack, attack_name="beast",
-        attack_config={**attack_options, "loss": "mean NLL per target token"}, options=evaluation,
+        attack_config={**beast.reported(), "loss": "mean NLL per target token"}, options=evaluation,
         reward=reward, output_path=output_path, show_progress=show_progress,
     )  # fmt: skip

@@ -29,6 +29,7 @@ ids.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import logging
@@ -36,15 +37,16 @@ import os
 import time
 import types
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from .common import AttackPrompt, AttackResult, eval_mode, model_device, run_attack_evaluation
-from .options import AttackEvalOptions, resolve_eval_options
+from .options import AttackEvalOptions, resolve_eval_options, split_keywords, with_overrides
 
-__all__ = ["eval_gcg", "gcg_attack", "gcg_config"]
+__all__ = ["GCGOptions", "eval_gcg", "gcg_attack", "gcg_config"]
 
 INSTALL_HINT = "pip install --no-deps nanogcg==0.3.0 scipy"
 
@@ -60,35 +62,46 @@ def _import_nanogcg():
     return nanogcg
 
 
-def gcg_config(
-    *,
-    num_steps: int = 250,
-    search_width: int = 512,
-    topk: int = 256,
-    batch_size: int | None = None,
-    n_replace: int = 1,
-    optim_str_init: str = "x x x x x x x x x x",
-    seed: int = 0,
-):
-    """The ``nanogcg.GCGConfig`` of the RePULSe evaluation: no buffer, no mellowmax, no early stop, ASCII-only
-    suffix tokens, retokenisation filter on, no space before the target, and no prefix cache (see the module
-    docstring)."""
+@dataclass
+class GCGOptions:
+    """GCG's options (nanogcg's `GCGConfig`; its other settings are fixed, see the module docs), declared once for
+    :func:`gcg_config`, :func:`gcg_attack`, :func:`eval_gcg` and the recipe (``recipes/eval_gcg.py``)."""
+
+    num_steps: int = field(default=250, metadata={"help": "GCG optimisation steps per goal."})
+    search_width: int = field(default=512, metadata={"help": "Candidate suffixes evaluated per step."})
+    topk: int = field(default=256, metadata={"help": "Top-k tokens by gradient considered per suffix position."})
+    batch_size: int | None = field(
+        default=None, metadata={"help": "Candidates per forward pass; unset: all candidates of a step at once."}
+    )
+    n_replace: int = field(default=1, metadata={"help": "Suffix positions changed per candidate."})
+    optim_str_init: str = field(default="x x x x x x x x x x", metadata={"help": "The suffix GCG starts from."})
+
+    def check(self) -> None:
+        """Raise a ``ValueError`` naming the option to change."""
+        for name in ("num_steps", "search_width", "topk", "n_replace"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"GCG's {name} must be >= 1; got {getattr(self, name)}.")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ValueError(f"GCG's batch_size must be None (all candidates at once) or >= 1; got {self.batch_size}.")
+        if not self.optim_str_init.strip():
+            raise ValueError("optim_str_init must be a non-empty string (the suffix GCG starts from).")
+
+
+def gcg_config(options: GCGOptions | None = None, *, seed: int = 0, **overrides):
+    """The ``nanogcg.GCGConfig`` of the RePULSe evaluation for ``options`` (:class:`GCGOptions`; keywords of its
+    fields override them): no buffer, no mellowmax, no early stop, ASCII-only suffix tokens, retokenisation filter
+    on, no space before the target, and no prefix cache (see the module docstring)."""
+    (overrides,) = split_keywords(overrides, GCGOptions)
+    options = with_overrides(options, GCGOptions, overrides)
+    options.check()
     nanogcg = _import_nanogcg()
-    for name, value in (("num_steps", num_steps), ("search_width", search_width), ("topk", topk),
-                        ("n_replace", n_replace)):  # fmt: skip
-        if int(value) < 1:
-            raise ValueError(f"GCG's {name} must be >= 1; got {value}.")
-    if batch_size is not None and batch_size < 1:
-        raise ValueError(f"GCG's batch_size must be None (all candidates at once) or >= 1; got {batch_size}.")
-    if not optim_str_init.strip():
-        raise ValueError("optim_str_init must be a non-empty string (the suffix GCG starts from).")
     return nanogcg.GCGConfig(
-        num_steps=int(num_steps),
-        optim_str_init=optim_str_init,
-        search_width=int(search_width),
-        batch_size=batch_size,
-        topk=int(topk),
-        n_replace=int(n_replace),
+        num_steps=int(options.num_steps),
+        optim_str_init=options.optim_str_init,
+        search_width=int(options.search_width),
+        batch_size=options.batch_size,
+        topk=int(options.topk),
+        n_replace=int(options.n_replace),
         buffer_size=0,
         use_mellowmax=False,
         early_stop=False,
@@ -176,17 +189,14 @@ def gcg_attack(
     goal: str,
     target: str,
     *,
-    num_steps: int = 250,
-    search_width: int = 512,
-    topk: int = 256,
-    batch_size: int | None = None,
-    n_replace: int = 1,
-    optim_str_init: str = "x x x x x x x x x x",
+    options: GCGOptions | None = None,
     seed: int = 0,
     show_progress: bool = True,
+    **overrides,
 ) -> AttackResult:
     """Run nanogcg on one (goal, target): the suffix appended to ``goal`` (``""`` in the strings scenario) in one
-    chat-templated user turn that makes ``target`` most likely as the start of the answer.
+    chat-templated user turn that makes ``target`` most likely as the start of the answer. ``options``:
+    :class:`GCGOptions` (keywords of its fields override them).
 
     Returns:
         an :class:`~trl_ext.eval.attacks.common.AttackResult`: the best suffix (text and ids), its loss (mean NLL
@@ -194,10 +204,9 @@ def gcg_attack(
     """
     if "{optim_str}" in goal:
         raise ValueError("The goal contains '{optim_str}', nanogcg's suffix placeholder; remove it from the goal.")
-    config = gcg_config(
-        num_steps=num_steps, search_width=search_width, topk=topk, batch_size=batch_size, n_replace=n_replace,
-        optim_str_init=optim_str_init, seed=seed,
-    )  # fmt: skip
+    (overrides,) = split_keywords(overrides, GCGOptions)
+    options = with_overrides(options, GCGOptions, overrides)
+    config = gcg_config(options, seed=seed)
     _import_nanogcg()
     import nanogcg.gcg as gcg_module
 
@@ -218,7 +227,7 @@ def gcg_attack(
                 raise
             raise RuntimeError(
                 "GCG found no candidate suffix that survives decoding and re-encoding with this tokenizer; try "
-                f"another optim_str_init (e.g. '! ! ! ! ! ! ! ! ! !'), got {optim_str_init!r}."
+                f"another optim_str_init (e.g. '! ! ! ! ! ! ! ! ! !'), got {options.optim_str_init!r}."
             ) from err
     suffix_ids = torch.tensor(tokenizer(result.best_string, add_special_tokens=False)["input_ids"], dtype=torch.long)
     return AttackResult(
@@ -237,15 +246,10 @@ def eval_gcg(
     *,
     reward=None,
     options: AttackEvalOptions | None = None,
-    num_steps: int = 250,
-    search_width: int = 512,
-    topk: int = 256,
-    batch_size: int | None = None,
-    n_replace: int = 1,
-    optim_str_init: str = "x x x x x x x x x x",
+    gcg: GCGOptions | None = None,
     output_path: str | os.PathLike | None = None,
     show_progress: bool = True,
-    **eval_options,
+    **keywords,
 ) -> dict:
     """Attack every (goal, target) with GCG and measure jailbreaks before and after (the RePULSe GCG evaluation).
 
@@ -260,27 +264,24 @@ def eval_gcg(
         behaviors: ``[{"goal", "target"}, ...]`` (e.g. :func:`~trl_ext.eval.attacks.load_behaviors_csv`),
             ``(goal, target)`` pairs, or target strings in the ``"strings"`` scenario.
         options: the evaluation's options (:class:`~trl_ext.eval.attacks.options.AttackEvalOptions`: scenario,
-            success rule, sampling, seed — goal ``i`` uses ``seed + i`` for GCG and for sampling); keywords of the
-            same names (``eval_options``, e.g. ``samples_per_prompt=20``) override its fields.
-        num_steps, search_width, topk, batch_size, n_replace, optim_str_init: GCG's options (``batch_size=None``:
-            all candidates in one forward pass).
+            success rule, sampling, seed — goal ``i`` uses ``seed + i`` for GCG and for sampling).
+        gcg: GCG's options (:class:`GCGOptions`: ``num_steps``, ``search_width``, ``topk``, ``batch_size`` —
+            ``None``: all candidates in one forward pass —, ``n_replace``, ``optim_str_init``).
+        keywords: fields of either, by name (``samples_per_prompt=20``, ``num_steps=50``), overriding them.
         output_path: write the report there as JSON (atomic).
         show_progress: progress bars over goals and GCG steps.
 
     Returns:
         the report (see :func:`~trl_ext.eval.attacks.common.run_attack_evaluation`), ``attack="gcg"``.
     """
-    evaluation = resolve_eval_options(options, eval_options)
-    attack_options = {
-        "num_steps": num_steps, "search_width": search_width, "topk": topk, "batch_size": batch_size,
-        "n_replace": n_replace, "optim_str_init": optim_str_init,
-    }  # fmt: skip
-    gcg_config(**attack_options, seed=evaluation.seed)  # fail early on bad options or a missing nanogcg
+    eval_keywords, gcg_keywords = split_keywords(keywords, AttackEvalOptions, GCGOptions)
+    evaluation = resolve_eval_options(options, eval_keywords)
+    gcg = with_overrides(gcg, GCGOptions, gcg_keywords)
+    gcg_config(gcg, seed=evaluation.seed)  # fail early on bad options or a missing nanogcg
+    attack_options = dataclasses.asdict(gcg)
 
     def attack(goal: str, target: str, prompt: AttackPrompt, goal_seed: int) -> AttackResult:
-        return gcg_attack(
-            model, tokenizer, goal, target, **attack_options, seed=goal_seed, show_progress=show_progress
-        )
+        return gcg_attack(model, tokenizer, goal, target, options=gcg, seed=goal_seed, show_progress=show_progress)
 
     reported = {
         **attack_options, "buffer_size": 0, "use_mellowmax": False, "early_stop": False, "use_prefix_cache": False,

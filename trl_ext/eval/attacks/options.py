@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from .rules import SCENARIOS, SUCCESS_CRITERIA, _check_choice
 
-__all__ = ["AttackEvalOptions", "resolve_eval_options"]
+__all__ = ["AttackEvalOptions", "resolve_eval_options", "split_keywords", "with_overrides"]
 
 
 @dataclass
@@ -80,3 +80,26 @@ def resolve_eval_options(options: AttackEvalOptions | None, overrides: dict) -> 
             "options=AttackEvalOptions(...))."
         )
     return dataclasses.replace(options or AttackEvalOptions(), **overrides)
+
+
+def split_keywords(keywords: dict, *classes: type) -> list[dict]:
+    """``keywords`` split by the dataclass whose field each one names (one dict per class, in order); a keyword no
+    class has is a ``TypeError`` naming the accepted ones."""
+    parts = [{} for _ in classes]
+    accepted = [{f.name for f in dataclasses.fields(cls)} for cls in classes]
+    unknown = []
+    for key, value in keywords.items():
+        index = next((i for i, names in enumerate(accepted) if key in names), None)
+        if index is None:
+            unknown.append(key)
+        else:
+            parts[index][key] = value
+    if unknown:
+        names = sorted(set().union(*accepted))
+        raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}; the options are {names}.")
+    return parts
+
+
+def with_overrides(options, cls: type, overrides: dict):
+    """``options`` (``cls``'s defaults when ``None``) with the fields of ``overrides`` replaced."""
+    return dataclasses.replace(options if options is not None else cls(), **overrides)
