@@ -20,8 +20,10 @@ from ...rollout import Rollout
 __all__ = [
     "Experience",
     "PPORewards",
+    "micro_step_normalizers",
     "minibatch_counts",
     "padded_lengths",
+    "rollout_schedule",
     "ppo_schedule",
     "schedule_position",
     "shared_prefix_group_size",
@@ -145,6 +147,29 @@ def minibatch_counts(
         kept = ~dropped.bool().to(response_mask.device)
         return torch.stack([kept[g.to(kept.device)].sum() for g in groups]).float()
     return torch.tensor([float(len(g)) for g in groups], device=response_mask.device)
+
+
+def rollout_schedule(args, rollout, rollout_index: int, process_index: int, group_size: int) -> list[torch.Tensor]:
+    """:func:`ppo_schedule` of one rollout: its own seed (run seed, process, rollout index), lengths for
+    ``group_by_length``, rows kept in groups of ``group_size`` (shared-prefix training)."""
+    seed = ((args.seed * 1_000_003 + process_index) * 1_000_003 + rollout_index) * 1009
+    lengths = padded_lengths(rollout.prompt_mask, rollout.response_mask) if args.group_by_length else None
+    return ppo_schedule(
+        rollout.batch_size, args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps, seed,
+        lengths=lengths, group_size=group_size,
+    )  # fmt: skip
+
+
+def micro_step_normalizers(
+    schedule: list[torch.Tensor], mask: torch.Tensor, args, reduce_mean, dropped: torch.Tensor | None = None
+) -> list[float]:
+    """Each micro-step's minibatch count (sequences or tokens of ``mask``; ``dropped`` rows not counted), averaged
+    over processes with ``reduce_mean`` (DDP averages the gradients, so the per-process loss is divided by ``global
+    count / num_processes``). A minibatch with nothing left to count (every row dropped) gets 1: its loss is 0."""
+    accumulation = args.gradient_accumulation_steps
+    counts = reduce_mean(minibatch_counts(schedule, mask, args.loss_aggregation, accumulation, dropped))
+    counts = torch.where(counts > 0, counts, torch.ones_like(counts)).tolist()
+    return [counts[i // accumulation] for i in range(len(schedule))]
 
 
 @dataclass

@@ -31,6 +31,7 @@ route calls into; `tests/trainers/ppo/test_ppo_route.py` checks that an update r
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -72,9 +73,8 @@ from .compat import TRL112Attributes, UpdateCadence, update_columns
 from .experience import (
     Experience,
     PPORewards,
-    minibatch_counts,
-    padded_lengths,
-    ppo_schedule,
+    micro_step_normalizers,
+    rollout_schedule,
     schedule_position,
     shared_prefix_group_size,
 )
@@ -343,13 +343,15 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
         self._update_kl_controller(rewards.kl, rollout.response_mask)
         advantages, returns = self.compute_advantages(rollout, rewards)
         advantages = self._importance_corrected(rollout, advantages)  # use_vllm
-        schedule = self._schedule(rollout_index, rollout)
-        normalizers = self._normalizers(rollout.response_mask, schedule, rollout.dropped)
+        args, mean = self.args, functools.partial(self.accelerator.reduce, reduction="mean")
+        schedule = rollout_schedule(args, rollout, rollout_index, self.accelerator.process_index, self._group_size)
+        normalizers = micro_step_normalizers(schedule, rollout.response_mask, args, mean, rollout.dropped)
         value_mask = value_normalizers = None
-        if returns is not None and self.args.score_position == "after_last_token":
+        if returns is not None and args.score_position == "after_last_token":
             value_mask = self.score_mask(rollout.response_mask)
-            value_normalizers = self._normalizers(value_mask, schedule, rollout.dropped)
-        experience = Experience(
+            value_normalizers = micro_step_normalizers(schedule, value_mask, args, mean, rollout.dropped)
+        self._log_rollout(rollout, rewards, rollout_index)
+        return Experience(
             rollout,
             advantages,
             returns,
@@ -358,8 +360,6 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
             value_mask=value_mask,
             value_normalizers=value_normalizers,
         )
-        self._log_rollout(rollout, rewards, rollout_index)
-        return experience
 
     def _importance_corrected(self, rollout: Rollout, advantages: torch.Tensor) -> torch.Tensor:
         """With vLLM samples: log ``vllm/logprob_diff`` and, with ``vllm_importance_sampling_correction``, weigh the
@@ -397,31 +397,6 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
             return
         mean_kl = self.accelerator.reduce(masked_sum(kl, mask, dim=-1).mean().float(), reduction="mean")
         self.kl_controller.update(float(mean_kl), self.args.batch_size)
-
-    def _schedule(self, rollout_index: int, rollout: Rollout) -> list[torch.Tensor]:
-        args = self.args
-        seed = ((args.seed * 1_000_003 + self.accelerator.process_index) * 1_000_003 + rollout_index) * 1009
-        lengths = padded_lengths(rollout.prompt_mask, rollout.response_mask) if args.group_by_length else None
-        return ppo_schedule(
-            rollout.batch_size,
-            args.num_ppo_epochs,
-            args.num_mini_batches,
-            args.gradient_accumulation_steps,
-            seed,
-            lengths=lengths, group_size=self._group_size,
-        )  # fmt: skip
-
-    def _normalizers(
-        self, mask: torch.Tensor, schedule: list[torch.Tensor], dropped: torch.Tensor | None = None
-    ) -> list[float]:
-        """Each micro-step's minibatch count (sequences or tokens of ``mask``; ``dropped`` rows not counted),
-        averaged over processes (DDP averages the gradients, so the per-process loss is divided by ``global count /
-        num_processes``). A minibatch with nothing left to count (every row dropped) gets 1: its loss is 0."""
-        accumulation = self.args.gradient_accumulation_steps
-        counts = minibatch_counts(schedule, mask, self.args.loss_aggregation, accumulation, dropped)
-        counts = self.accelerator.reduce(counts, reduction="mean")
-        counts = torch.where(counts > 0, counts, torch.ones_like(counts)).tolist()
-        return [counts[i // accumulation] for i in range(len(schedule))]
 
     # ------------------------------------------------------------------------------------------ public hooks
     def rollout(self, model: nn.Module, prompt_ids, prompt_mask, vision=None, columns=None) -> Rollout:
