@@ -1,2 +1,4 @@
-"""What every online trainer shares: the `OnlineTrainerMixin` and `OnlineConfig`, checkpoints, the multi-model
-wrapper (`ModelParts`) and the logged metrics and completion tables."""
+"""What the trainers share: the `OnlineTrainerMixin` and `OnlineConfig`, the one `train` / `save_model` their mixins
+hook into (`lifecycle`), checkpoint writing (`checkpoint`) and resuming (`resume`), the multi-model wrapper
+(`ModelParts`) and the logged metrics and completion tables (`metrics`). The algorithm's pieces (advantages, KL
+control, reward normalisation) are in `trl_ext.ops`, twist learning in `trl_ext.trainers.twist`."""
