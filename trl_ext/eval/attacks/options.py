@@ -71,15 +71,9 @@ class AttackEvalOptions:
 
 def resolve_eval_options(options: AttackEvalOptions | None, overrides: dict) -> AttackEvalOptions:
     """``options`` (default: :class:`AttackEvalOptions`'s defaults) with ``overrides`` (keywords of the same names)
-    applied; an unknown keyword is a ``TypeError`` naming the accepted ones."""
-    names = {f.name for f in dataclasses.fields(AttackEvalOptions)}
-    unknown = sorted(set(overrides) - names)
-    if unknown:
-        raise TypeError(
-            f"unexpected keyword argument(s) {unknown}; the evaluation options are {sorted(names)} (or pass "
-            "options=AttackEvalOptions(...))."
-        )
-    return dataclasses.replace(options or AttackEvalOptions(), **overrides)
+    applied; an unknown keyword is a ``TypeError`` naming the accepted ones (:func:`split_keywords`)."""
+    (overrides,) = split_keywords(overrides, AttackEvalOptions)
+    return with_overrides(options, AttackEvalOptions, overrides)
 
 
 def split_keywords(keywords: dict, *classes: type) -> list[dict]:
@@ -96,7 +90,8 @@ def split_keywords(keywords: dict, *classes: type) -> list[dict]:
             parts[index][key] = value
     if unknown:
         names = sorted(set().union(*accepted))
-        raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}; the options are {names}.")
+        owners = ", ".join(cls.__name__ for cls in classes)
+        raise TypeError(f"unexpected keyword argument(s) {sorted(unknown)}; the options ({owners}) are {names}.")
     return parts
 
 
