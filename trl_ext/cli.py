@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from trl import ModelConfig, ScriptArguments, TrlParser
 
+from ._deprecation import moved_names
 from .data.config_files import check_config_file
 from .data.files import load_data_file, load_dataset_checked
 from .data.mixture import (
@@ -40,7 +41,6 @@ __all__ = [
     "RewardScriptArguments",
     "lexical_reward",
     "load_policy_and_reference",
-    "load_preference_models",
     "load_reward_for_policy",
     "REWARD_INPUTS",
     "load_prompts",
@@ -49,7 +49,6 @@ __all__ = [
     "make_parser",
     "model_load_kwargs",
     "prepare_inputs",
-    "check_negative_data_options",
     "engine_name",
     "processes_text",
     "seed_run",
@@ -280,22 +279,6 @@ def prepare_inputs(dataset, script_args: ScriptArguments, tokenizer=None):
     return dataset
 
 
-def check_negative_data_options(script_args) -> None:
-    """Refuse the dataset options that do not apply to ``--negative_data_path`` rows (DPO/KTO recipes): their prompts
-    are kept exactly as the harmlessness run sampled them; only ``--max_samples`` applies (``--dataset_name`` is
-    ignored, as a YAML may set it)."""
-    given = [
-        f"--{name}"
-        for name in ("dataset_mixture", "input_template", "apply_chat_template")
-        if getattr(script_args, name, None)
-    ]
-    if given:
-        raise ValueError(
-            f"--negative_data_path replaces the dataset, so {', '.join(given)} cannot be used with it (its prompts "
-            "are kept as the harmlessness run sampled them); drop them, or drop --negative_data_path."
-        )
-
-
 def train_and_eval_splits(script_args: ScriptArguments, training_args, tokenizer=None, prompt_column: str = "prompt"):
     """``(train_dataset, eval_dataset)`` of ``--dataset_name`` (:func:`load_prompts`) or ``--dataset_mixture``.
 
@@ -382,26 +365,6 @@ def load_policy_and_reference(path: str, model_args: ModelConfig, peft_config):
     kwargs = model_load_kwargs(model_args)
     policy = load_causal_lm(path, **kwargs)
     return policy, (None if peft_config is not None else load_causal_lm(path, **kwargs))
-
-
-def load_preference_models(model_args: ModelConfig, ref_model_name_or_path: str | None = None):
-    """``(tokenizer, policy, ref_model, peft_config)`` of an offline preference recipe (DPO, KTO).
-
-    The reference is ``ref_model_name_or_path`` when given, else what :func:`load_policy_and_reference` chooses (a
-    second copy of the policy's checkpoint, or ``None`` under PEFT: the policy with its adapters disabled).
-    """
-    from trl import get_peft_config
-
-    from .models import load_causal_lm
-
-    if not model_args.model_name_or_path:
-        raise ValueError("Pass --model_name_or_path (the policy to train: a local folder or a Hub id).")
-    tokenizer = load_tokenizer(model_args.model_name_or_path, model_args)
-    peft_config = get_peft_config(model_args)
-    policy, ref_model = load_policy_and_reference(model_args.model_name_or_path, model_args, peft_config)
-    if ref_model_name_or_path is not None:
-        ref_model = load_causal_lm(ref_model_name_or_path, **model_load_kwargs(model_args))
-    return tokenizer, policy, ref_model, peft_config
 
 
 # -------------------------------------------------------------------------------------------------- rewards
@@ -606,3 +569,9 @@ def engine_name(accelerator) -> str:
     if kind.startswith("fsdp"):
         return f"FSDP{kind.removeprefix('fsdp')}"
     return {"ddp": "DDP", "single": "single process"}[kind]
+
+
+__getattr__ = moved_names(
+    __name__,
+    {name: "trl_ext.recipes.preference_common" for name in ("check_negative_data_options", "load_preference_models")},
+)

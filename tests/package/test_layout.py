@@ -173,6 +173,8 @@ def test_old_module_paths_import_the_new_modules(old, new):
         ("trl_ext.trainers.common.checkpoint", "list_checkpoints", "trl_ext.trainers.common.resume"),
         ("trl_ext.trainers.common.reward_setup", "log_reward_components", "trl_ext.trainers.common.metrics"),
         ("trl_ext.trainers.common.metrics", "PPOMetrics", "trl_ext.trainers.common.metrics:OnlineMetrics"),
+        ("trl_ext.cli", "check_negative_data_options", "trl_ext.recipes.preference_common"),
+        ("trl_ext.cli", "load_preference_models", "trl_ext.recipes.preference_common"),
     ],
 )
 def test_names_that_moved_out_of_a_module_still_import_from_it(old, name, new):

@@ -30,24 +30,19 @@ from trl import ModelConfig
 
 from trl_ext import cli
 from trl_ext.data import select_first
+from trl_ext.recipes.preference_common import (
+    PreferenceScriptArguments,
+    check_negative_data_options,
+    run_preference,
+)
 from trl_ext.trainers.preference.data import pairs_from_negative_data
 from trl_ext.trainers.preference.dpo import DPOConfig, DPOTrainer
 
 
 @dataclass
-class DPOScriptArguments(cli.DatasetScriptArguments):
-    """The shared dataset arguments plus the reference model and the negative data."""
+class DPOScriptArguments(PreferenceScriptArguments):
+    """The preference recipes' arguments (dataset, reference model, negative data) plus DPO's own."""
 
-    ref_model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Reference model checkpoint (default: the policy's own checkpoint)."}
-    )
-    negative_data_path: str | None = field(
-        default=None,
-        metadata={
-            "help": "Negative-data JSONL of a harmlessness run (rows: prompt, response, reward, step, source); its "
-            "responses are the rejected completions. Replaces --dataset_name."
-        },
-    )
     chosen_column: str | None = field(
         default=None, metadata={"help": "Column of the --negative_data_path rows that holds chosen completions."}
     )
@@ -66,7 +61,7 @@ def load_datasets(script_args: DPOScriptArguments, training_args: DPOConfig, pol
         if script_args.chosen_column or script_args.sample_chosen:
             raise ValueError("--chosen_column and --sample_chosen apply to --negative_data_path; set it as well.")
         return cli.train_and_eval_splits(script_args, training_args, tokenizer)
-    cli.check_negative_data_options(script_args)
+    check_negative_data_options(script_args)
     train_dataset = pairs_from_negative_data(
         script_args.negative_data_path,
         chosen_column=script_args.chosen_column,
@@ -80,17 +75,7 @@ def load_datasets(script_args: DPOScriptArguments, training_args: DPOConfig, pol
 
 def main(script_args: DPOScriptArguments, training_args: DPOConfig, model_args: ModelConfig) -> None:
     """Load the models and the data, train (or resume), save the final policy (pushed if asked)."""
-    cli.seed_run(training_args)  # before any model is built: fresh heads / adapters follow --seed
-    tokenizer, policy, ref_model, peft_config = cli.load_preference_models(
-        model_args, script_args.ref_model_name_or_path
-    )
-    train_dataset, eval_dataset = load_datasets(script_args, training_args, policy, tokenizer)
-
-    cli.fit(
-        DPOTrainer, training_args, what="DPO", note=f" (extra loss: {training_args.extra_loss})",
-        plot=script_args.plot, model=policy, ref_model=ref_model, train_dataset=train_dataset,
-        eval_dataset=eval_dataset, processing_class=tokenizer, peft_config=peft_config,
-    )  # fmt: skip
+    run_preference(DPOTrainer, "DPO", script_args, training_args, model_args, load_datasets)
 
 
 def make_parser():

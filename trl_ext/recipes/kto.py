@@ -29,24 +29,19 @@ from trl import ModelConfig, ScriptArguments
 
 from trl_ext import cli
 from trl_ext.data import select_first
+from trl_ext.recipes.preference_common import (
+    PreferenceScriptArguments,
+    check_negative_data_options,
+    run_preference,
+)
 from trl_ext.trainers.preference.data import unpaired_from_negative_data
 from trl_ext.trainers.preference.kto import KTOConfig, KTOTrainer
 
 
 @dataclass
-class KTOScriptArguments(cli.DatasetScriptArguments):
-    """The shared dataset arguments plus the reference model and the negative data."""
+class KTOScriptArguments(PreferenceScriptArguments):
+    """The preference recipes' arguments (dataset, reference model, negative data) plus KTO's own."""
 
-    ref_model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Reference model checkpoint (default: the policy's own checkpoint)."}
-    )
-    negative_data_path: str | None = field(
-        default=None,
-        metadata={
-            "help": "Negative-data JSONL of a harmlessness run (rows: prompt, response, reward, step, source); its "
-            "responses become undesirable rows. Replaces --dataset_name."
-        },
-    )
     desirable_data_path: str | None = field(
         default=None,
         metadata={
@@ -56,13 +51,14 @@ class KTOScriptArguments(cli.DatasetScriptArguments):
     )
 
 
-def load_datasets(script_args: KTOScriptArguments, training_args: KTOConfig, tokenizer):
-    """``(train_dataset, eval_dataset)``: from ``--negative_data_path`` (no eval split) or ``--dataset_name``."""
+def load_datasets(script_args: KTOScriptArguments, training_args: KTOConfig, policy, tokenizer):
+    """``(train_dataset, eval_dataset)``: from ``--negative_data_path`` (no eval split) or ``--dataset_name``
+    (``policy`` is not used: KTO's rows need no sampled completion)."""
     if script_args.negative_data_path is None:
         if script_args.desirable_data_path is not None:
             raise ValueError("--desirable_data_path applies to --negative_data_path; set it as well.")
         return cli.train_and_eval_splits(script_args, training_args, tokenizer)
-    cli.check_negative_data_options(script_args)
+    check_negative_data_options(script_args)
     desirable = None
     if script_args.desirable_data_path is not None:
         desirable = cli.load_prompts(ScriptArguments(dataset_name=script_args.desirable_data_path))["train"]
@@ -72,17 +68,7 @@ def load_datasets(script_args: KTOScriptArguments, training_args: KTOConfig, tok
 
 def main(script_args: KTOScriptArguments, training_args: KTOConfig, model_args: ModelConfig) -> None:
     """Load the models and the data, train (or resume), save the final policy (pushed if asked)."""
-    cli.seed_run(training_args)  # before any model is built: fresh heads / adapters follow --seed
-    tokenizer, policy, ref_model, peft_config = cli.load_preference_models(
-        model_args, script_args.ref_model_name_or_path
-    )
-    train_dataset, eval_dataset = load_datasets(script_args, training_args, tokenizer)
-
-    cli.fit(
-        KTOTrainer, training_args, what="KTO", note=f" (extra loss: {training_args.extra_loss})",
-        plot=script_args.plot, model=policy, ref_model=ref_model, train_dataset=train_dataset,
-        eval_dataset=eval_dataset, processing_class=tokenizer, peft_config=peft_config,
-    )  # fmt: skip
+    run_preference(KTOTrainer, "KTO", script_args, training_args, model_args, load_datasets)
 
 
 def make_parser():

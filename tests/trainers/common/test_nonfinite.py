@@ -423,7 +423,8 @@ def test_ppo_skips_the_step_of_a_nan_policy_loss(tmp_path, tiny_gpt_neox_dir, ti
 
 
 def test_repulse_skips_the_step_of_a_nan_policy_loss(tmp_path):
-    """RePULSe runs its own backward passes and steps the proposal itself: both are guarded."""
+    """RePULSe back-propagates and steps its leading model (the proposal) itself and closes the step through
+    `Trainer`: both steps are guarded."""
     trainer = toy_trainer(toy_args(tmp_path, max_steps=3))
     original, calls = trainer.compute_policy_loss, [0]
 

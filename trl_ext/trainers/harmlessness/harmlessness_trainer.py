@@ -15,11 +15,12 @@ optimizer holding a parameter group per model. One `Trainer` optimizer step is o
    log-probs, :meth:`_fuses_negative_forward`); ``order="p_then_q"``: the policy is updated first and the
    proposal's reference log-probs are recomputed with the updated policy.
 
-Gradient clipping is per model: whenever both models have gradients, the trainer clips and steps one of them itself
-(the proposal with ``q_then_p``, the policy with ``p_then_q``) with ``max_grad_norm`` and leaves the other to
-`Trainer`, whose clipping then sees only that model's gradients. Extra proposal-only steps (``q_steps_per_p_step >
-1``) sample fresh proposal responses and are clipped and stepped the same way. Under DeepSpeed both losses are
-back-propagated together and the engine clips their joint norm (extra steps are refused there).
+Each model is clipped on its own. The step's *leading* model (the proposal with ``q_then_p``, the policy with
+``p_then_q``) is back-propagated and clipped-and-stepped alone (:meth:`_leading_step`); the *closing* one's loss goes
+through :meth:`compute_loss` and `Trainer`'s backward and optimizer step, whose clipping then sees only its gradients
+(how every online trainer steps: `trainers/common/stepping.py`). Extra proposal-only steps (``q_steps_per_p_step >
+1``) sample fresh proposal responses and are leading steps too. Under DeepSpeed both losses close the step together
+and the engine clips their joint norm (extra steps are refused there).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 import inspect
 import logging
 import textwrap
-import time
 from dataclasses import replace
 
 import torch
@@ -42,13 +42,12 @@ from ...rollout import (
     ReferencePolicy,
     Rollout,
     RolloutGenerator,
-    forward_response,
     rollout_logprobs,
 )
 from ...rollout.columns import rollout_inputs
 from ...rollout.data import left_padded
 from ...rollout.fsdp import call_as_root_forward
-from ...rollout.vision import check_vision_models, concat_vision
+from ...rollout.vision import check_vision_models
 from ...utils import eval_mode
 from ..common.metrics import OnlineMetrics
 from ..common.online import OnlineTrainerMixin
@@ -64,12 +63,12 @@ from .stepping import TwoModelStepping
 from .steps import (
     HarmlessnessRewards,
     HarmlessnessRollouts,
+    HarmlessnessStep,
     group,
     log_spaced_value,
     negative_sample_weights,
     negative_term_scale,
     reward_shapings,
-    stack_rollouts,
 )
 
 __all__ = ["HarmlessnessTrainer"]
@@ -263,8 +262,9 @@ class HarmlessnessTrainer(
 
     # ------------------------------------------------------------------------------------- the training step
     def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
-        """One micro-step on one batch of prompts: rollouts, rewards, the proposal's and the policy's losses and
-        backward passes (and, per the module docs, the optimizer step of one of the two models)."""
+        """One micro-step on one batch of prompts: rollouts and rewards, the leading model's loss, backward and own
+        step (:meth:`_leading_step`), then `Trainer.training_step` with the closing model's loss
+        (:meth:`compute_loss`); `Trainer`'s optimizer step ends the accumulation."""
         args = self.args
         if self._micro_step is None:  # a fresh or resumed run: micro-steps of the optimizer steps done
             self._micro_step = self.state.global_step * args.gradient_accumulation_steps
@@ -297,34 +297,45 @@ class HarmlessnessTrainer(
         forward = None
         if fused:  # the policy's forward first: its log p_θ on q's samples are q's reference log-probs
             share = self._is_head_proposal() and not rollouts.proposal_reused  # (a reused rollout has no q-step)
-            forward = self._policy_forward(model, rollouts, share_trunk=share)
+            with self._timed("policy_step"):
+                forward = self._policy_forward(model, rollouts, share_trunk=share)
             q = rollouts.proposal
             if q.ref_logprobs is None:  # (a reused rollout checked with `proposal_reuse_min_ess` has them)
                 q.ref_logprobs = torch.where(q.response_mask != 0, forward[1].detach(), torch.zeros_like(q.logprobs))
         rewards = self.compute_rewards(rollouts)
         self._save_negative_data(rollouts)
-        q_out = None
-        if rollouts.proposal is None or rollouts.proposal_reused:  # no proposal step
-            p_out, p_lp = self._policy_backward(model, rollouts, rewards, scale, forward=forward)
-        elif self.is_deepspeed_enabled:  # one backward: the engine steps both models and clips their joint norm
-            q_out = self._proposal_backward(model, rollouts.proposal, rewards.proposal_log_phi, scale, backward=False)
-            p_out, p_lp = self._policy_backward(model, rollouts, rewards, scale, extra_loss=q_out.loss.loss * scale)
-        elif args.order == "q_then_p":
-            q_out = self._proposal_backward(model, rollouts.proposal, rewards.proposal_log_phi, scale)
-            if self.accelerator.sync_gradients:
-                self._step_only("proposal")
-            p_out, p_lp = self._policy_backward(model, rollouts, rewards, scale, forward=forward)
-        else:  # p_then_q: update p, then train q towards the updated p (Trainer steps q after this)
-            p_out, p_lp = self._policy_backward(model, rollouts, rewards, scale)
-            self._step_only("policy")
-            rollouts.proposal.ref_logprobs = self._policy_logprobs(rollouts.proposal)
-            q_out = self._proposal_backward(model, rollouts.proposal, rewards.proposal_log_phi, scale)
-        self._record_step(rollouts, rewards, p_out, p_lp, q_out)
+        step = HarmlessnessStep(rollouts, rewards, scale, forward=forward)
+        step.closing = self._leading_step(model, step)
+        with self._timed(f"{'proposal' if step.closing == 'proposal' else 'policy'}_step"):
+            super().training_step(model, {"step": step}, num_items_in_batch)  # -> compute_loss, backward
+        q_out = step.proposal_out
+        self._record_step(rollouts, rewards, step.policy_out, step.policy_logprobs, q_out)
         if self.accelerator.sync_gradients:  # the policy's optimizer step follows: one update of the KL controller
             self._update_kl_controller()
-        loss = p_out.loss.detach() + (q_out.loss.loss.detach() if q_out is not None else 0.0)
+        loss = step.policy_out.loss.detach() + (q_out.loss.loss.detach() if q_out is not None else 0.0)
         self._micro_step += 1
         return loss * scale
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The closing loss of the micro-step ``inputs["step"]`` (a `HarmlessnessStep`, made by
+        :meth:`training_step`), scaled for gradient accumulation; `Trainer.training_step` back-propagates it.
+        ``"policy"``: the policy loss (:meth:`compute_policy_loss`, plus :meth:`compute_ptx_loss`); ``"proposal"``:
+        the proposal's twist loss (:meth:`compute_proposal_loss`); ``"both"``: their sum."""
+        step: HarmlessnessStep = inputs["step"]
+        rollouts, rewards = step.rollouts, step.rewards
+        if step.closing == "proposal":
+            step.proposal_out = self.compute_proposal_loss(model, rollouts.proposal, rewards.proposal_log_phi)
+            self.note_loss(step.proposal_out.loss.loss, "proposal loss")
+            loss = step.proposal_out.loss.loss * step.scale
+        else:
+            extra = None
+            if step.closing == "both":
+                with self._timed("proposal_step"):
+                    step.proposal_out = self.compute_proposal_loss(model, rollouts.proposal, rewards.proposal_log_phi)
+                extra = step.proposal_out.loss.loss * step.scale
+            loss = self._policy_loss(model, step, extra_loss=extra)
+            self.note_loss(loss, "policy loss")
+        return (loss, step) if return_outputs else loss
 
     def _start_training(self, resume_from_checkpoint: str | None) -> None:
         self._micro_step = None
@@ -346,60 +357,8 @@ class HarmlessnessTrainer(
         if self._negdata is not None:
             self._negdata.add(rollout, rollout.scores, step=self.state.global_step, source="proposal")
         out = self._proposal_backward(model, rollout, log_phi, 1.0)
-        self._step_only("proposal")
+        self._step_alone("proposal")
         self._metrics.add("loss/proposal_extra", out.loss.loss.detach())
-
-    def _proposal_backward(
-        self, model: nn.Module, rollout: Rollout, log_phi: torch.Tensor, scale: float, backward: bool = True
-    ) -> TwistLossOutput:
-        start = time.perf_counter()
-        out = self.compute_proposal_loss(model, rollout, log_phi)
-        if backward:
-            self.note_loss(out.loss.loss, "proposal loss")
-            self._backward(out.loss.loss * scale)
-        self._timings["proposal_step"] += time.perf_counter() - start
-        return out
-
-    def _policy_forward(self, model: nn.Module, rollouts: HarmlessnessRollouts, share_trunk: bool = False):
-        """``(policy_lp, neg_lp, negatives)``: ``p_θ``'s log-probs, with gradient, on its samples and on the
-        negatives (the proposal's samples or the SMC particles; ``policy_lp`` again without negatives), from one
-        forward pass over both; its time counts as ``timing/policy_step``."""
-        start = time.perf_counter()
-        parts = [rollouts.policy]
-        if rollouts.proposal is not None and self.args.uses_negative_samples:
-            parts.append(rollouts.negatives if rollouts.negatives is not None else rollouts.proposal)
-        ids, mask, T = stack_rollouts(parts)
-        vision = concat_vision([part.vision for part in parts])
-        B, T_p = rollouts.policy.batch_size, rollouts.policy.response_length
-        # a head proposal's step reads the hidden states of its samples from here instead of running the trunk again
-        with self._wrapper.acting_as("policy"), self._hidden_for_proposal(share_trunk and len(parts) > 1, parts, B):
-            logprobs = forward_response(
-                model, ids, mask, T, temperature=self.args.temperature, vision=vision,
-                padding_free=self.args.padding_free,
-            ).logprobs  # fmt: skip
-        policy_lp = logprobs[:B, :T_p]
-        neg_lp = logprobs[B:, : parts[-1].response_length] if len(parts) > 1 else policy_lp
-        self._timings["policy_step"] += time.perf_counter() - start
-        return policy_lp, neg_lp, parts[-1]
-
-    def _policy_backward(
-        self, model: nn.Module, rollouts: HarmlessnessRollouts, rewards: HarmlessnessRewards, scale: float,
-        extra_loss: torch.Tensor | None = None, forward=None,
-    ) -> tuple[LossOutput, torch.Tensor]:  # fmt: skip
-        """The policy forward (:meth:`_policy_forward`, unless ``forward`` holds it already), the policy loss and
-        its backward pass. Returns the loss and the detached log-probs of the policy's samples."""
-        policy_lp, neg_lp, negatives = self._policy_forward(model, rollouts) if forward is None else forward
-        start = time.perf_counter()
-        weight_lp = None
-        if self.args.uses_negative_samples:
-            weight_lp = neg_lp.detach() if self.args.disable_dropout else self._policy_logprobs(negatives)
-        out = self.compute_policy_loss(policy_lp, rollouts, rewards, neg_logprobs=neg_lp, weight_logprobs=weight_lp)
-        loss = out.loss if self._ptx is None else out.loss + self.compute_ptx_loss()
-        loss = loss * scale + (extra_loss if extra_loss is not None else 0.0)
-        self.note_loss(loss, "policy loss")
-        self._backward(loss)
-        self._timings["policy_step"] += time.perf_counter() - start
-        return out, policy_lp.detach()
 
     def compute_ptx_loss(self) -> torch.Tensor:
         """``ptx_coef × NLL``: the policy's mean token NLL on this micro-step's ptx micro-batch

@@ -20,6 +20,7 @@ from ...rollout import Rollout
 __all__ = [
     "HarmlessnessRewards",
     "HarmlessnessRollouts",
+    "HarmlessnessStep",
     "group",
     "log_spaced_value",
     "negative_sample_weights",
@@ -69,6 +70,27 @@ class HarmlessnessRewards:
     proposal_log_phi: torch.Tensor | None = None
     proposal_reward: torch.Tensor | None = None
     proposal_return: torch.Tensor | None = None
+
+
+@dataclass
+class HarmlessnessStep:
+    """One micro-step as `HarmlessnessTrainer.compute_loss` receives it (``inputs["step"]``): the rollouts and rewards,
+    which model's loss closes the step through `Trainer` (``"policy"``, ``"proposal"``, or ``"both"`` under DeepSpeed;
+    `trainers/common/stepping.py`), and the losses as they are computed."""
+
+    rollouts: HarmlessnessRollouts
+    rewards: HarmlessnessRewards
+    scale: float
+    """``1 / gradient_accumulation_steps``: every loss of the step is multiplied by it before its backward."""
+    closing: str = "policy"
+    forward: tuple | None = None
+    """The policy forward of a fused step (``(policy_lp, neg_lp, negatives)``), done before the proposal's step."""
+    policy_out: object | None = None
+    """The policy loss's `LossOutput`, once computed."""
+    policy_logprobs: torch.Tensor | None = None
+    """Detached ``log p_θ`` of the policy's samples from the policy loss's forward."""
+    proposal_out: object | None = None
+    """The proposal loss's `TwistLossOutput`, when the step has one."""
 
 
 def log_spaced_value(start: float, end: float, index: int, total: int) -> float:

@@ -46,6 +46,7 @@ from ...rollout import ReferencePolicy, Rollout, RolloutGenerator, SamplingSetti
 from ...rollout.negdata import NegativeDataWriter
 from ...rollout.reward_list import reward_component_metrics
 from ..common.model_parts import add_adapters
+from ..common.stepping import step_own_optimizer
 from ..harmlessness.config_checks import HEAD_PARAMETERIZATIONS
 from ..harmlessness.harmlessness_trainer import HarmlessnessTrainer
 from ..harmlessness.models import head_proposal
@@ -375,17 +376,10 @@ class RePULSeGRPOTrainer(GRPOTrainer):
         return out
 
     def _step_proposal(self) -> None:
-        """All-reduce (several processes), clip (``max_grad_norm``) and step the proposal's gradients."""
+        """The proposal's own clip-and-step (`trainers/common/stepping.py`); its norm is ``proposal/grad_norm``."""
         params = [p for p in self.proposal.parameters() if p.requires_grad]
-        if self.accelerator.num_processes > 1:
-            for p in params:
-                if p.grad is not None:
-                    p.grad = self.accelerator.reduce(p.grad, reduction="mean")
-        max_norm = self.args.max_grad_norm if self.args.max_grad_norm and self.args.max_grad_norm > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        norm = step_own_optimizer(self.accelerator, params, self.proposal_optimizer, self.args.max_grad_norm)
         self._metric("proposal/grad_norm", norm)
-        self.proposal_optimizer.step()
-        self.proposal_optimizer.zero_grad(set_to_none=True)
 
     def _metric(self, name: str, value) -> None:
         value = float(value.detach().float().mean()) if torch.is_tensor(value) else float(value)
