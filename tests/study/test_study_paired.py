@@ -98,6 +98,15 @@ def test_paired_rows_difference_log_ratio_and_eval_se_against_formulas():
     assert row["eval_se"][0] == pytest.approx(d0.std(ddof=1) / math.sqrt(2))
     ref_row = next(r for r in rows if r["method"] == "REINFORCE/default")
     assert "diff" not in ref_row and ref_row["mean"] == pytest.approx(np.mean(p_ref))
+    # each seed on its own: the paired difference with a t-interval over the 2 prompts (1 df), and the ratio
+    seed0 = row["by_seed"][0]
+    half = stats.t.ppf(0.975, 1) * d0.std(ddof=1) / math.sqrt(2)
+    assert seed0["diff"] == pytest.approx(expected_diffs[0]) and seed0["reference"] == pytest.approx(p_ref[0])
+    assert (seed0["low"], seed0["high"]) == pytest.approx((expected_diffs[0] - half, expected_diffs[0] + half))
+    assert seed0["ratio"] == pytest.approx(p_m[0] / p_ref[0]) and ref_row["by_seed"] == {}
+    one = paired_rows(initial, runs[:2], "kl", [1.0], "REINFORCE/default")  # one seed: no spread, still a pair
+    one_row = next(r for r in one if r["method"] == "m/default")
+    assert "diff" not in one_row and one_row["by_seed"][0]["diff"] == pytest.approx(expected_diffs[0])
 
 
 def test_matched_levels_span_what_every_core_run_reaches():
@@ -187,6 +196,7 @@ def test_tiny_v2_study_writes_the_paired_report(tmp_path):
     assert "P(p_offensive > 0.5) at matched KL" in text and "RePULSe/default" in text
     assert "after equal updates" in text and "KL to the initial model after equal updates" in text
     assert text.index("at matched KL (primary") < text.index("after equal updates")
+    assert "Per seed: P(p_offensive > 0.5), method − REINFORCE" in text
     initial = [name for name in os.listdir(tmp_path / "runs") if name.startswith("initial")]
     assert initial == ["initial__initial__seed0.json"]  # once for both seeds
 

@@ -149,14 +149,16 @@ def minimum_detectable_effect(sd: float, n: int, confidence: float = 0.95, power
 def paired_rows(initial, summaries, axis, levels, reference="REINFORCE/default", metric="p_bad", cvar_alpha=0.05):
     """Per method setting and level: per-seed values, the mean ± t-interval over seeds, and against ``reference``
     (same seed) the difference ``D``, the log-ratio ``L`` (both with t-intervals over seeds) and each seed's
-    evaluation-only standard error of ``D`` (from the per-prompt differences)."""
+    evaluation-only standard error of ``D`` (from the per-prompt differences). ``row["by_seed"]`` holds, for every
+    seed that both runs reach (one is enough), ``D``, its evaluation-only 95% interval over the prompts (the same
+    prompts and random streams on both sides: a paired t-interval of the per-prompt differences) and the ratio."""
     groups = group(summaries)
     ref = {s["run"]["seed"]: s for s in groups.get(reference, [])}
     rows = []
     for name, runs in groups.items():
         for level in levels:
             row = {"method": name, "axis": axis, "level": level, "metric": metric, "seeds": len(runs)}
-            values, diffs, ratios, eval_se = {}, [], [], []
+            values, diffs, ratios, eval_se, by_seed = {}, [], [], [], {}
             for s in runs:
                 seed = s["run"]["seed"]
                 p = point_at(trajectory(initial, s, cvar_alpha), axis, level)
@@ -169,12 +171,16 @@ def paired_rows(initial, summaries, axis, levels, reference="REINFORCE/default",
                 if r is None:
                     continue
                 diffs.append(p[metric] - r[metric])
+                by_seed[seed] = {"diff": diffs[-1], "reference": r[metric]}
                 if metric in p["vectors"]:
                     d = p["vectors"][metric] - r["vectors"][metric]
                     eval_se.append(float(d.std(ddof=1) / math.sqrt(d.size)))
+                    half = t_quantile(0.95, d.size - 1) * eval_se[-1]
+                    by_seed[seed].update(eval_se=eval_se[-1], low=diffs[-1] - half, high=diffs[-1] + half)
                 if p[metric] > 0 and r[metric] > 0:
                     ratios.append(math.log(p[metric] / r[metric]))
-            row["reached"], row["per_seed"] = len(values), values
+                    by_seed[seed]["ratio"] = p[metric] / r[metric]
+            row["reached"], row["per_seed"], row["by_seed"] = len(values), values, by_seed
             if values:
                 row["mean"], row["low"], row["high"] = t_interval(list(values.values()))
             if len(diffs) >= 2:

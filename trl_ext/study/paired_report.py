@@ -83,6 +83,21 @@ def _table(rows: list[dict], title: str, metric: str) -> list[str]:
     return lines + [""]
 
 
+def _by_seed_table(rows: list[dict], title: str) -> list[str]:
+    """Each seed's paired difference against REINFORCE with its evaluation-only 95% interval (over the prompts):
+    what one seed can say before there are seeds to spread over; training noise is not in these intervals."""
+    head = ["method", "level", "seed", "REINFORCE", "method − REINFORCE [95% over prompts]", "ratio"]
+    lines = [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        level = f"{r['level']:g} updates" if r["axis"] == "updates" else f"{r['axis'].upper()} {r['level']:.3f}"
+        for seed, d in sorted(r.get("by_seed", {}).items()):
+            interval = f" [{d['low']:+.4f}, {d['high']:+.4f}]" if "low" in d else ""
+            ratio = f"{d['ratio']:.2f}×" if "ratio" in d else "–"
+            cells = [r["method"], level, str(seed), _fmt(d["reference"]), f"{d['diff']:+.4f}{interval}", ratio]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def _power_lines(rows: list[dict]) -> list[str]:
     """The detectable effect that the observed spread of the primary log-ratio over seeds gives."""
     out = [f"### Detectable effect at the observed spread ({PRIMARY} vs {REFERENCE})", ""]
@@ -161,6 +176,11 @@ def write_paired_report(
         rows = paired_rows(initial, summaries, axis, levels[axis], REFERENCE, metric, cvar_alpha)
         tables[f"{axis}/{metric}"] = rows
         lines += _table(rows, title, metric)
+    lines += _by_seed_table(
+        [r for key in ("kl/p_bad", "updates/p_bad") for r in tables[key]],
+        "Per seed: P(p_offensive > 0.5), method − REINFORCE, with evaluation-only 95% intervals (training noise "
+        "not included)",
+    )
     lines += _power_lines([r for r in tables["kl/p_bad"] + tables["updates/p_bad"] if r["method"] == PRIMARY])
     plot_paired_frontiers(initial, summaries, os.path.join(results_dir, "frontiers.png"), cvar_alpha, prompts)
     lines += ["![frontiers](frontiers.png)", ""]
