@@ -17,23 +17,21 @@ All rewards come back on the CPU; move them to the trainer's device.
 from __future__ import annotations
 
 import abc
-import base64
 import json
 import logging
 import os
-import re
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import torch
 from torch import nn
 
 from ..utils import eval_mode
 from .reward import apply_reward_normalization, get_sequence_scores, load_reward_model
+from .urls import redact_url, split_url_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -439,47 +437,6 @@ class TwoTokenizerReward(RewardFunction):
         return self([q for q, _ in pairs], [a for _, a in pairs])
 
 
-# ------------------------------------------------------------------------------------------ URLs safe to log
-_REDACTED = "***"
-# Query parameters whose value is a credential (matched anywhere in the name: "api_key", "X-Amz-Signature").
-_SECRET_PARAM = re.compile(r"key|token|secret|passw|pwd|auth|signature|sig$|credential|session", re.IGNORECASE)
-
-
-def redact_url(url: str) -> str:
-    """``url`` with its credentials replaced by ``***``: the ``user:password@`` part, and the value of every query
-    parameter whose name looks like a credential (``key``, ``token``, ``secret``, ``password``, ``auth``, ``sig``,
-    ...). Anything that does not parse as a URL is redacted as a whole when it contains an ``@``.
-
-    >>> redact_url("http://alice:s3cret@rm.internal:5000/get_reward?api_key=abc&x=1")
-    'http://***@rm.internal:5000/get_reward?api_key=***&x=1'
-    """
-    try:
-        parts = urlsplit(str(url))
-        netloc = parts.netloc
-        if "@" in netloc:
-            netloc = f"{_REDACTED}@{netloc.rsplit('@', 1)[1]}"
-        query = parts.query
-        if query:
-            pairs = parse_qsl(query, keep_blank_values=True)
-            if any(_SECRET_PARAM.search(name) for name, _ in pairs):
-                query = urlencode([(n, _REDACTED if _SECRET_PARAM.search(n) else v) for n, v in pairs], safe="*")
-        return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
-    except ValueError:  # e.g. an invalid IPv6 literal: show nothing that could hold a secret
-        return _REDACTED if "@" in str(url) else str(url)
-
-
-def _split_url_credentials(url: str) -> tuple[str, str | None]:
-    """``(url without "user:password@", "Basic ..." Authorization header or None)``: ``urllib`` does not send the
-    credentials of a ``http://user:password@host/`` URL (it tries to resolve ``user:password@host`` as a host)."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url, None
-    userinfo, hostport = parts.netloc.rsplit("@", 1)
-    user, _, password = userinfo.partition(":")
-    token = base64.b64encode(f"{unquote(user)}:{unquote(password)}".encode()).decode("ascii")
-    return urlunsplit((parts.scheme, hostport, parts.path, parts.query, parts.fragment)), f"Basic {token}"
-
-
 class RemoteRewardError(RuntimeError):
     """A reward server answered with an error, a malformed reply, or could not be reached after the retries."""
 
@@ -524,7 +481,7 @@ class RemoteReward(RewardFunction):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"RemoteReward needs an http(s) URL, got {redact_url(url)!r}.")
         self.shown_url = redact_url(url)  # what logs and errors show
-        self.url, basic_auth = _split_url_credentials(url)
+        self.url, basic_auth = split_url_credentials(url)
         self.timeout, self.retries = float(timeout), int(retries)
         self.batch_size, self.backoff, self.headers = batch_size, float(backoff), dict(headers or {})
         api_key = api_key if api_key is not None else os.environ.get("TRL_EXT_RM_API_KEY")

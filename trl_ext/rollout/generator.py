@@ -592,14 +592,7 @@ class RolloutGenerator:
 
 
 # Names this module used to re-export: import them from `trl_ext.rollout` (or their own modules).
-__getattr__ = moved_names(
-    __name__,
-    {
-        "PolicyOutput": "trl_ext.rollout.scoring",
-        "causal_lm_outputs": "trl_ext.rollout.scoring",
-        "forward_response": "trl_ext.rollout.scoring",
-        "supports_logits_to_keep": "trl_ext.rollout.probing",
-        "ReferencePolicy": "trl_ext.rollout.reference",
-        "RolloutReward": "trl_ext.rollout.reward",
-    },
-)
+_MOVED = {"trl_ext.rollout.scoring": ("PolicyOutput", "causal_lm_outputs", "forward_response"),
+          "trl_ext.rollout.probing": ("supports_logits_to_keep",), "trl_ext.rollout.reference": ("ReferencePolicy",),
+          "trl_ext.rollout.reward": ("RolloutReward",)}  # fmt: skip
+__getattr__ = moved_names(__name__, {name: module for module, names in _MOVED.items() for name in names})
