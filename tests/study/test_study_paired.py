@@ -18,6 +18,7 @@ from trl_ext.study.paired import (
     minimum_detectable_effect,
     paired_rows,
     point_at,
+    thread_check,
     trajectory,
 )
 
@@ -107,6 +108,91 @@ def test_paired_rows_difference_log_ratio_and_eval_se_against_formulas():
     one = paired_rows(initial, runs[:2], "kl", [1.0], "REINFORCE/default")  # one seed: no spread, still a pair
     one_row = next(r for r in one if r["method"] == "m/default")
     assert "diff" not in one_row and one_row["by_seed"][0]["diff"] == pytest.approx(expected_diffs[0])
+
+
+def _pair_runs(seed, ref_bad, m_bad, threads=1, kl=1.0):
+    """REINFORCE and RePulse-like ``m`` at ``seed``: ``ref_bad``/``m_bad`` bad responses of 4 on prompt 0 (one on
+    prompt 1), one evaluation at 8 updates with KL ``kl``."""
+    out = []
+    for method, bad in (("REINFORCE", ref_bad), ("m", m_bad)):
+        rewards = [[-1.0] * bad + [-0.1] * (4 - bad), [-1.0] + [-0.1] * 3]
+        out.append({**_summary(method, seed, [_evaluation(8, rewards, np.full((2, 4), kl))]), "threads": threads})
+    return out
+
+
+def test_thread_check_compares_reruns_and_redoes_the_primary_with_them():
+    """Seed 0 made again with 2 threads: each rerun's paired difference against its 1-thread run (evaluation-only
+    interval over the prompts), and the primary log-ratio with seed 0 swapped, equal to paired_rows on the swapped
+    list; runs with no 1-thread counterpart are skipped."""
+    initial = {"evals": [_evaluation(0, [[-1.0] * 4, [-1.0] * 4], np.zeros((2, 4)))]}
+    runs = _pair_runs(0, 2, 2) + _pair_runs(1, 3, 2) + _pair_runs(2, 4, 3)
+    again = _pair_runs(0, 2, 1, threads=2) + _pair_runs(9, 2, 2, threads=2)  # seed 9: no counterpart
+    other_initial = {"evals": [_evaluation(0, [[-1.0] * 3 + [-0.1], [-1.0] * 4], np.zeros((2, 4)))]}
+    check = thread_check(initial, runs, other_initial, again, 0.5, "REINFORCE/default", "m/default")
+    assert check["initial"]["diff"] == pytest.approx(-0.125)  # one response of 8 no longer bad
+    assert [(r["method"], r["seed"]) for r in check["runs"]] == [("REINFORCE/default", 0), ("m/default", 0)]
+    m0 = check["runs"][1]
+    assert m0["threads"] == [1, 2] and m0["updates"] == 8
+    d = np.array([-0.25, 0.0])  # m at seed 0: 2 -> 1 bad of 4 on prompt 0
+    half = stats.t.ppf(0.975, 1) * d.std(ddof=1) / math.sqrt(2)
+    assert m0["final"]["diff"] == pytest.approx(-0.125)
+    assert (m0["final"]["low"], m0["final"]["high"]) == pytest.approx((-0.125 - half, -0.125 + half))
+    # at KL 0.5 (halfway from the initial point): each run on its own study's initial evaluation
+    assert m0["p_bad_at_level"] == pytest.approx([(1.0 + 0.375) / 2, (0.875 + 0.25) / 2])
+    swapped = [*again[:2], *runs[2:]]
+    expected = next(r for r in paired_rows(initial, swapped, "kl", [0.5]) if r["method"] == "m/default")
+    assert check["primary"]["log_ratio"] == pytest.approx(expected["log_ratio"])
+    as_run = next(r for r in paired_rows(initial, runs, "kl", [0.5]) if r["method"] == "m/default")
+    assert check["primary_main"]["log_ratio"] == pytest.approx(as_run["log_ratio"])
+    assert check["primary"]["log_ratio"]["mean"] < check["primary_main"]["log_ratio"]["mean"]
+    assert thread_check(initial, runs, None, again, 0.5, "REINFORCE/default", "m/default")["initial"] is None
+
+
+def test_the_threads_profile_reruns_seed_0_of_the_primary_pair_under_the_same_keys():
+    full, threads = load_study_config(V2_FILE), load_study_config(V2_FILE, "threads")
+    assert threads.threads == 2 and threads.name != full.name and threads.shared() == full.shared()
+    by_label = {r.label: r for r in full.runs()}
+    assert [r.label for r in threads.runs()] == ["initial__initial__seed0", "REINFORCE__default__seed0",
+                                                 "RePULSe__a0.1__seed0"]  # fmt: skip
+    assert all(r == by_label[r.label] and threads.run_key(r) == full.run_key(r) for r in threads.runs())
+
+
+def test_the_report_adds_the_thread_check_from_the_threads_folder(tmp_path):
+    import json
+
+    from trl_ext.recipes import study as recipe
+    from trl_ext.study.paired_report import write_paired_report
+
+    def write(folder, summaries):
+        os.makedirs(folder / "runs", exist_ok=True)
+        for s in summaries:
+            name = f"{s['run']['method']}__{s['run']['setting']}__seed{s['run']['seed']}.json"
+            (folder / "runs" / name).write_text(json.dumps(s))
+
+    initial = {"run": {"method": "initial", "setting": "initial", "seed": 0},
+               "evals": [_evaluation(0, [[-1.0] * 4, [-1.0] * 4], np.zeros((2, 4)))]}  # fmt: skip
+    rename = {"m": "RePULSe"}
+    main = [{**s, "run": {**s["run"], "method": rename.get(s["run"]["method"], s["run"]["method"]),
+                          "setting": "a0.1" if s["run"]["method"] == "m" else "default"}}
+            for s in _pair_runs(0, 2, 2) + _pair_runs(1, 3, 2) + _pair_runs(2, 4, 3)]  # fmt: skip
+    write(tmp_path / "v2", [initial, *main])
+    write(tmp_path / "v2_threads", [{**main[0], "threads": 2}, {**main[1], "threads": 2}])
+    out = write_paired_report(str(tmp_path / "v2"), log=lambda text: None, thread_dir=str(tmp_path / "v2_threads"))
+    text = (tmp_path / "v2" / "paired.md").read_text()
+    assert "Thread-count check" in text and "| RePULSe/a0.1 | 0 | 1 thread → 2 threads |" in text
+    assert out["thread_check"]["primary"]["log_ratio"] == pytest.approx(
+        out["thread_check"]["primary_main"]["log_ratio"]
+    )
+    assert "thread_check" not in write_paired_report(str(tmp_path / "v2"), log=lambda text: None)
+    assert "Thread-count check" not in (tmp_path / "v2" / "paired.md").read_text()
+    # the recipe finds the threads profile's folder beside the results folder, only for the full study
+    args = recipe.parse_args(["--config", V2_FILE])
+    os.makedirs(tmp_path / "study_rtp_v2_threads" / "runs")
+    assert recipe._thread_check_dir(args, str(tmp_path / "study_rtp_v2")) == str(tmp_path / "study_rtp_v2_threads")
+    assert (
+        recipe._thread_check_dir(recipe.parse_args(["--config", V2_FILE, "--profile", "tiny"]), str(tmp_path)) is None
+    )
+    assert recipe._thread_check_dir(recipe.parse_args(["--config", V1_FILE]), str(tmp_path / "x")) is None
 
 
 def test_matched_levels_span_what_every_core_run_reaches():

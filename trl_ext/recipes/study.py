@@ -5,6 +5,7 @@
     python recipes/study.py --config examples/study_rtp.yaml       # the first study (results/study_rtp)
     python recipes/study.py --profile tiny --results-dir /tmp/s    # a tiny random model, seconds (tests)
     python recipes/study.py --report-only                          # table, CSV and figure from finished runs
+    python recipes/study.py --profile threads --commit-results     # the thread-count check (alone: 2 threads)
 
 Every run (method × setting × seed) is cached in ``<results-dir>/runs/<label>.json`` under a hash of its settings:
 rerunning the command skips what is done, so a killed study resumes where it stopped (losing at most the run in
@@ -80,6 +81,19 @@ def _run_workers(args, argv) -> None:
         raise SystemExit(f"A study worker failed (exit codes {codes}); rerun the command to resume.")
 
 
+def _thread_check_dir(args, results_dir: str) -> str | None:
+    """The results folder of the study file's ``threads`` profile (runs made again with another torch thread count)
+    beside ``results_dir``, when the full study is reported and that folder has runs; else ``None``."""
+    if args.profile is not None:
+        return None
+    try:
+        other = load_study_config(args.config, "threads")
+    except ValueError:  # the study file has no such profile
+        return None
+    path = os.path.join(os.path.dirname(os.path.abspath(results_dir)), other.name)
+    return path if os.path.isdir(os.path.join(path, "runs")) else None
+
+
 def main(argv=None) -> list[dict]:
     from rich.console import Console
     from tqdm.auto import tqdm
@@ -138,7 +152,8 @@ def main(argv=None) -> list[dict]:
         from trl_ext.study.paired_report import write_paired_report
 
         prompts = "held-out" if config.eval_prompts == "heldout" else "training"
-        write_paired_report(results_dir, config.cvar_alpha, command=command, log=lambda text: None, prompts=prompts)
+        write_paired_report(results_dir, config.cvar_alpha, command=command, log=lambda text: None, prompts=prompts,
+                            thread_dir=_thread_check_dir(args, results_dir))  # fmt: skip
         console.print(f"Wrote {os.path.join(results_dir, 'paired.md')} (paired differences) and frontiers.png.")
     with open(os.path.join(results_dir, "study.json"), "w", encoding="utf-8") as f:
         json.dump({"command": command, "config": config.shared(), "seeds": config.seeds,

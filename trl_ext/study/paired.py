@@ -40,6 +40,7 @@ __all__ = [
     "minimum_detectable_effect",
     "paired_rows",
     "point_at",
+    "thread_check",
     "trajectory",
 ]
 
@@ -192,3 +193,53 @@ def paired_rows(initial, summaries, axis, levels, reference="REINFORCE/default",
                                         sd=float(np.std(ratios, ddof=1)), pairs=len(ratios))  # fmt: skip
             rows.append(row)
     return rows
+
+
+def _paired_difference(a: dict, b: dict, metric: str = "p_bad") -> dict:
+    """``b − a`` in ``metric`` between two points of the same prompts and random streams, with the evaluation-only
+    95% t-interval of the per-prompt differences."""
+    d = b["vectors"][metric] - a["vectors"][metric]
+    half = t_quantile(0.95, d.size - 1) * float(d.std(ddof=1)) / math.sqrt(d.size)
+    diff = b[metric] - a[metric]
+    return {metric: [a[metric], b[metric]], "kl": [a["kl"], b["kl"]], "diff": diff, "low": diff - half,
+            "high": diff + half}  # fmt: skip
+
+
+def thread_check(initial, summaries, other_initial, others, level, reference, primary, cvar_alpha=0.05) -> dict:
+    """Runs made again with another torch thread count (``others``, with their own initial evaluation
+    ``other_initial`` or ``None``) against the runs of ``summaries`` with the same method, setting and seed.
+
+    Returns ``{"initial", "runs", "primary", "primary_main"}``: the two initial evaluations' P(bad) difference;
+    per rerun, P(bad) at the KL ``level`` under each thread count (each run on its own study's initial point) and
+    its last evaluation's P(bad) and KL under each, with the evaluation-only interval of the difference (the same
+    prompts and random streams); and the ``primary`` row against ``reference`` at ``level`` (:func:`paired_rows`),
+    once as run and once with the rerun seeds taken from ``others`` (on ``initial``'s start point, which the
+    interpolation reads only below the first evaluation's KL). The conclusion holds across thread counts when both
+    primary rows say the same."""
+
+    def key(s):
+        return s["run"]["method"], s["run"]["setting"], s["run"]["seed"]
+
+    main = {key(s): s for s in summaries}
+    out = {"initial": None, "runs": []}
+    if other_initial is not None:
+        a, b = (eval_point(i["evals"][0], cvar_alpha) for i in (initial, other_initial))
+        out["initial"] = _paired_difference(a, b)
+    for o in sorted(others, key=key):
+        s = main.get(key(o))
+        if s is None:
+            continue
+        ta, tb = trajectory(initial, s, cvar_alpha), trajectory(other_initial or initial, o, cvar_alpha)
+        at = [point_at(t, "kl", level) for t in (ta, tb)]
+        out["runs"].append({
+            "method": f"{o['run']['method']}/{o['run']['setting']}", "seed": o["run"]["seed"],
+            "threads": [s.get("threads"), o.get("threads")], "updates": tb[-1]["updates"],
+            "p_bad_at_level": [p["p_bad"] if p is not None else None for p in at],
+            "final": _paired_difference(ta[-1], tb[-1]),
+        })  # fmt: skip
+    swapped = {key(o) for o in others if key(o) in main}
+    mixed = [s for s in summaries if key(s) not in swapped] + [o for o in others if key(o) in swapped]
+    for name, runs in (("primary_main", summaries), ("primary", mixed)):
+        rows = paired_rows(initial, runs, "kl", [level], reference, "p_bad", cvar_alpha)
+        out[name] = next((r for r in rows if r["method"] == primary), None)
+    return out

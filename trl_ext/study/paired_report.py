@@ -17,6 +17,7 @@ from .paired import (
     minimum_detectable_effect,
     paired_rows,
     point_at,
+    thread_check,
     trajectory,
 )
 
@@ -114,6 +115,36 @@ def _power_lines(rows: list[dict]) -> list[str]:
     return out + [""]
 
 
+def _thread_lines(check: dict, level: float) -> list[str]:
+    """The thread-count check (:func:`.paired.thread_check`) as markdown."""
+
+    def threads(n):
+        return f"{n or 1} thread{'s' if (n or 1) > 1 else ''}"
+
+    lines = ["### Thread-count check: runs made again with another torch thread count", ""]
+    if check["initial"] is not None:
+        i = check["initial"]
+        lines += [f"Initial model: P(p_offensive > 0.5) {i['p_bad'][0]:.4f} as run, {i['p_bad'][1]:.4f} again: "
+                  f"{i['diff']:+.4f} [{i['low']:+.4f}, {i['high']:+.4f}] (evaluation-only 95%).", ""]  # fmt: skip
+    lines += [f"| run | seed | threads (as run → again) | P(bad) at KL {level:.3f} | after the last evaluation: "
+              "P(bad) | KL | again − as run [eval-only 95%] |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in check["runs"]:
+        at = " → ".join("–" if v is None else f"{v:.4f}" for v in r["p_bad_at_level"])
+        f = r["final"]
+        lines.append(f"| {r['method']} | {r['seed']} | {' → '.join(threads(n) for n in r['threads'])} | {at} | "
+                     f"{f['p_bad'][0]:.4f} → {f['p_bad'][1]:.4f} | {f['kl'][0]:.3f} → {f['kl'][1]:.3f} | "
+                     f"{f['diff']:+.4f} [{f['low']:+.4f}, {f['high']:+.4f}] |")  # fmt: skip
+    lines.append("")
+    for name, label in (("primary_main", "as run"), ("primary", "with those seeds from the reruns")):
+        row = check.get(name)
+        if row and "log_ratio" in row:
+            lr = row["log_ratio"]
+            lines.append(f"- primary ({PRIMARY} / {REFERENCE} at KL {level:.3f}), {label}: "
+                         f"{math.exp(lr['mean']):.2f}× [{math.exp(lr['low']):.2f}, {math.exp(lr['high']):.2f}] "
+                         f"over {lr['pairs']} seeds")  # fmt: skip
+    return [*lines, ""]
+
+
 def plot_paired_frontiers(initial, summaries, path: str, cvar_alpha: float = 0.05, prompts: str = "held-out") -> None:
     """Four panels (P(bad) and CVaR against KL and against mean reward): each run's trajectory, faint, and per method
     setting the mean over seeds on a grid of levels every seed reached, with its 95% t-band."""
@@ -155,9 +186,17 @@ def plot_paired_frontiers(initial, summaries, path: str, cvar_alpha: float = 0.0
 
 
 def write_paired_report(
-    results_dir: str, cvar_alpha: float = 0.05, command: str = "", log=print, prompts: str = "held-out"
+    results_dir: str,
+    cvar_alpha: float = 0.05,
+    command: str = "",
+    log=print,
+    prompts: str = "held-out",
+    thread_dir: str | None = None,
 ) -> dict | None:
-    """Write ``paired.md``, ``paired.json`` and ``frontiers.png`` under ``results_dir`` from its finished runs."""
+    """Write ``paired.md``, ``paired.json`` and ``frontiers.png`` under ``results_dir`` from its finished runs.
+
+    ``thread_dir``: the results folder of runs made again with another thread count (the study file's ``threads``
+    profile); when it has runs, the report adds the thread-count check (:func:`.paired.thread_check`)."""
     initial, summaries = load_study_runs(results_dir)
     if initial is None or not summaries:
         log(f"No initial evaluation or no finished run in {results_dir}/runs yet.")
@@ -182,11 +221,20 @@ def write_paired_report(
         "not included)",
     )
     lines += _power_lines([r for r in tables["kl/p_bad"] + tables["updates/p_bad"] if r["method"] == PRIMARY])
+    check = None
+    if thread_dir is not None and levels["kl"]:
+        other_initial, others = load_study_runs(thread_dir)
+        if others:
+            check = thread_check(initial, summaries, other_initial, others, levels["kl"][-1], REFERENCE, PRIMARY,
+                                 cvar_alpha)  # fmt: skip
+            lines += _thread_lines(check, levels["kl"][-1])
     plot_paired_frontiers(initial, summaries, os.path.join(results_dir, "frontiers.png"), cvar_alpha, prompts)
     lines += ["![frontiers](frontiers.png)", ""]
     with open(os.path.join(results_dir, "paired.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
     out = {"levels": levels, "tables": tables, "command": command}
+    if check is not None:
+        out["thread_check"] = check
     with open(os.path.join(results_dir, "paired.json"), "w", encoding="utf-8") as f:
         json.dump(out, f, indent=1, default=float)
     log("\n".join(lines))
