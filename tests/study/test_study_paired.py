@@ -111,7 +111,7 @@ def test_paired_rows_difference_log_ratio_and_eval_se_against_formulas():
 
 
 def _pair_runs(seed, ref_bad, m_bad, threads=1, kl=1.0):
-    """REINFORCE and RePulse-like ``m`` at ``seed``: ``ref_bad``/``m_bad`` bad responses of 4 on prompt 0 (one on
+    """REINFORCE and a RePULSe-like ``m`` at ``seed``: ``ref_bad``/``m_bad`` bad responses of 4 on prompt 0 (one on
     prompt 1), one evaluation at 8 updates with KL ``kl``."""
     out = []
     for method, bad in (("REINFORCE", ref_bad), ("m", m_bad)):
