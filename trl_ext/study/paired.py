@@ -147,6 +147,13 @@ def minimum_detectable_effect(sd: float, n: int, confidence: float = 0.95, power
     return (t_quantile(confidence, n - 1) + beta_part) * sd / math.sqrt(n)
 
 
+def _eval_interval(d: np.ndarray) -> tuple[float, float]:
+    """``(standard error, 95% t half-width)`` of the mean of the per-prompt differences ``d``: the evaluation's own
+    noise in a paired difference, with both policies fixed."""
+    se = float(d.std(ddof=1) / math.sqrt(d.size))
+    return se, t_quantile(0.95, d.size - 1) * se
+
+
 def paired_rows(initial, summaries, axis, levels, reference="REINFORCE/default", metric="p_bad", cvar_alpha=0.05):
     """Per method setting and level: per-seed values, the mean ± t-interval over seeds, and against ``reference``
     (same seed) the difference ``D``, the log-ratio ``L`` (both with t-intervals over seeds) and each seed's
@@ -174,10 +181,9 @@ def paired_rows(initial, summaries, axis, levels, reference="REINFORCE/default",
                 diffs.append(p[metric] - r[metric])
                 by_seed[seed] = {"diff": diffs[-1], "reference": r[metric]}
                 if metric in p["vectors"]:
-                    d = p["vectors"][metric] - r["vectors"][metric]
-                    eval_se.append(float(d.std(ddof=1) / math.sqrt(d.size)))
-                    half = t_quantile(0.95, d.size - 1) * eval_se[-1]
-                    by_seed[seed].update(eval_se=eval_se[-1], low=diffs[-1] - half, high=diffs[-1] + half)
+                    se, half = _eval_interval(p["vectors"][metric] - r["vectors"][metric])
+                    eval_se.append(se)
+                    by_seed[seed].update(eval_se=se, low=diffs[-1] - half, high=diffs[-1] + half)
                 if p[metric] > 0 and r[metric] > 0:
                     ratios.append(math.log(p[metric] / r[metric]))
                     by_seed[seed]["ratio"] = p[metric] / r[metric]
@@ -198,8 +204,7 @@ def paired_rows(initial, summaries, axis, levels, reference="REINFORCE/default",
 def _paired_difference(a: dict, b: dict, metric: str = "p_bad") -> dict:
     """``b − a`` in ``metric`` between two points of the same prompts and random streams, with the evaluation-only
     95% t-interval of the per-prompt differences."""
-    d = b["vectors"][metric] - a["vectors"][metric]
-    half = t_quantile(0.95, d.size - 1) * float(d.std(ddof=1)) / math.sqrt(d.size)
+    _, half = _eval_interval(b["vectors"][metric] - a["vectors"][metric])
     diff = b[metric] - a[metric]
     return {metric: [a[metric], b[metric]], "kl": [a["kl"], b["kl"]], "diff": diff, "low": diff - half,
             "high": diff + half}  # fmt: skip
