@@ -6,10 +6,12 @@
   path named when it is neither (instead of ``'str' object has no attribute 'parameters'``).
 - :func:`check_prompts_fit_context`: prompts that, with ``response_length`` new tokens, exceed the policy's context
   (defined in :mod:`trl_ext.rollout.context`, below the trainers, so that batch inference runs the same check).
+- :func:`check_ppo_under_deepspeed`: PPO options DeepSpeed cannot honour (an error) or makes very slow (a warning).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 
@@ -17,11 +19,14 @@ from ...rollout.context import check_prompts_fit_context, context_length
 
 __all__ = [
     "check_not_empty",
+    "check_ppo_under_deepspeed",
     "check_prompts_fit_context",
     "context_length",
     "load_model_argument",
     "refuse_same_object",
 ]
+
+logger = logging.getLogger(__name__)
 
 _FROZEN_FIX = "Pass a separate copy (e.g. `copy.deepcopy(model)` before training), or None for the trainer's default"
 
@@ -118,3 +123,19 @@ def load_model_argument(model, what: str = "model", *, loader: Callable | None =
             f"{prefix}could not load {what}={path!r} ({reason}). Check the folder or Hub id (and HF_HUB_OFFLINE / the "
             f"network for a Hub id), {pass_module}."
         ) from err
+
+
+def check_ppo_under_deepspeed(args, accelerator, is_deepspeed_enabled: bool) -> None:
+    """Refuse ``freezing_actor_steps`` under DeepSpeed, and warn about ZeRO-3 without gathered generation."""
+    if is_deepspeed_enabled and getattr(args, "freezing_actor_steps", 0):
+        raise ValueError(
+            "freezing_actor_steps > 0 is not supported under DeepSpeed (its engine would still step the policy's "
+            "optimizer state with zero gradients); use freezing_actor_steps=0 there."
+        )
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None and plugin.zero_stage == 3 and not args.ds3_gather_for_generation:
+        logger.warning(
+            "ZeRO-3 with ds3_gather_for_generation=False: every generated token gathers the sharded weights layer by "
+            "layer, which is very slow (a rollout can look hung). Set ds3_gather_for_generation=True when the policy "
+            "fits on one GPU."
+        )

@@ -62,7 +62,7 @@ from ...rollout.columns import COLUMNS_KEY, rollout_inputs
 from ...rollout.data import left_padded
 from ...rollout.finite import drop_rows, expand_to_groups
 from ...rollout.vision import check_vision_critic, check_vision_models
-from ..common.checks import load_model_argument, refuse_same_object
+from ..common.checks import check_ppo_under_deepspeed, load_model_argument, refuse_same_object
 from ..common.manifest import naming_file
 from ..common.metrics import OnlineMetrics, rollout_metrics
 from ..common.online import OnlineTrainerMixin, evaluates_with_ema, forked_rng
@@ -180,18 +180,7 @@ class PPOTrainer(TRL112Attributes, OnlineTrainerMixin, _BaseTrainer):
             wrapper, policy, args, data_collator, train_dataset=train_dataset, eval_dataset=eval_dataset,
             processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
         )  # fmt: skip
-        if self.is_deepspeed_enabled and args.freezing_actor_steps:
-            raise ValueError(
-                "freezing_actor_steps > 0 is not supported under DeepSpeed (its engine would still step the policy's "
-                "optimizer state with zero gradients); use freezing_actor_steps=0 there."
-            )
-        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        if plugin is not None and plugin.zero_stage == 3 and not args.ds3_gather_for_generation:
-            logger.warning(
-                "ZeRO-3 with ds3_gather_for_generation=False: every generated token gathers the sharded weights layer "
-                "by layer, which is very slow (a rollout can look hung). Set ds3_gather_for_generation=True when the "
-                "policy fits on one GPU."
-            )
+        check_ppo_under_deepspeed(args, self.accelerator, self.is_deepspeed_enabled)
         self._sampling = self._sampling_settings(args)
         self._build_vllm([policy])
         self.rollout_generator = self._rollout_generator(
